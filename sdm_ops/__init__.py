@@ -1,0 +1,17 @@
+"""sdm_ops: compile-native PyTorch operators for the sparse delta memory recurrence."""
+
+from . import ops as _ops  # noqa: F401  (registers the sdm:: operators)
+from .product_key import TopK, product_key_topk
+from .recurrence import SDMOutput, sparse_delta_memory, sparse_delta_memory_
+from .wy import WYSolution, wy_solve
+
+__all__ = [
+    "SDMOutput",
+    "TopK",
+    "WYSolution",
+    "product_key_topk",
+    "sparse_delta_memory",
+    "sparse_delta_memory_",
+    "wy_solve",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,249 @@
+"""Per-chunk WY solve and its backward.
+
+Math. For each chunk n of C tokens (1 <= C <= 128), with L = tril(beta[:, None] * A, -1):
+
+  forward   X  = (I + L)^-1                      (unit lower triangular)
+            QX = tril(QK) @ X
+  backward  G  = strict_lower(dX + tril(QK)^T @ dQX)
+            W  = X^T @ G
+            dL = strict_lower(-W @ X^T)          (= strict_lower(-X^T (dX + tril(QK)^T dQX) X^T))
+            dA = dL * beta[:, None],  dbeta[i] = sum_{j<i} dL[i, j] * A[i, j]
+            dQK = tril(dQX @ X^T)
+
+Only the strict lower triangle of A, the lower triangles of QK, X and dQX and the strict lower
+triangle of dX are read: the rest may hold anything (NaN included) and never reaches an output,
+since it is masked out at the load (``tl.where`` semantics, not multiplication by zero). Dropping
+the upper parts of X, dX and dQX is exact for the math above: X is zero there, and those parts
+only reach entries of dL and dQK that are discarded.
+
+Layout. A, QK, X, QX, dX, dQX, dA, dQK: contiguous row-major [N, C, C] float32, chunk n at
+element offset n * C * C (64-bit); beta, dbeta: contiguous [N, C]. Every output element is
+written, +0.0 above the diagonal (and on it for dA).
+
+Tiling. A chunk is cut into NT = cdiv(C, 16) row and column blocks of 16; rows and columns >= C
+load as zero (identity rows of I + L), and the leading block of a triangular inverse is the
+inverse of the leading block, so any C is exact. Every product is a 16 x 16 x 16 ``tl.dot`` in
+full float32 (input_precision="ieee": the inverse amplifies rounding).
+
+Kernels, each launched on the grid (N, NT): program (n, b) handles block b of chunk n.
+
+  _fwd_diag_kernel     X[b, b] = (I + L[b, b])^-1 by forward substitution, row by row.
+  _fwd_panel_kernel    column panel b of X and QX: zeros above block b, QX[b, b], then down the
+                       blocks i > b, X[i, b] = -X[i, i] @ sum_{k=b}^{i-1} L[i, k] X[k, b] and
+                       QX[i, b] = sum_{k=b}^{i} tril(QK)[i, k] X[k, b].
+  _bwd_panel_kernel    column panel b of G and W, bottom block first: G[i, b] is staged in dA
+                       (which the next kernel overwrites entirely) and W[i, b] goes to a scratch
+                       [N, C, C] buffer allocated by the launcher.
+  _bwd_row_kernel      row panel b of dA, dQK and dbeta: for each block j <= b, the dots
+                       W[b, k] X[j, k]^T and dQX[b, k] X[j, k]^T over k <= j; zeros right of
+                       block b; dbeta sums the row panel's dL * A locally.
+
+A panel kernel reads back tiles it stored itself (X[k, b], G[k, b]) after a ``tl.debug_barrier``
+(a CTA barrier, which orders a block's global stores before its later loads); tiles of another
+program are only read in a later launch.
+
+Determinism: no atomics; every output element (and every staged or scratch element) is written
+by exactly one program of a launch, and every sum is accumulated in a fixed order by a fixed
+launch configuration. Launch configurations are pinned below, not autotuned: the warp count
+can change the rounding of reductions and dots, so they are part of the numerical contract,
+and a fixed launch is CUDA-graph-capture-safe and gives the same bits for a chunk at any N.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+TILE = 16  # edge of the square tiles (the smallest tl.dot shape)
+
+# Pinned (num_warps, num_stages). The substitution is a chain of 16-wide row updates (one warp);
+# the panel kernels chain 16 x 16 x 16 dots (two warps). num_stages=1: the panel kernels read
+# back what they stored behind a barrier, which no software pipelining may reorder.
+_DIAG_CONFIG = (1, 1)
+_PANEL_CONFIG = (2, 1)
+
+
+@triton.jit
+def _mm(a, b, acc):
+    """acc + a @ b in full float32."""
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _tile(base, R, K, C: tl.constexpr, TRI: tl.constexpr, TRANS: tl.constexpr):
+    """Block (R, K) of the row-major [C, C] matrix at ``base`` as a 16 x 16 tile (its transpose
+    if TRANS). Zero outside [C, C] and, by the matrix's own coordinates, outside its lower
+    triangle (TRI=1, diagonal included) or strict lower triangle (TRI=2); TRI=0 keeps all."""
+    o = tl.arange(0, 16)
+    if TRANS:
+        row = R * 16 + o[None, :]
+        col = K * 16 + o[:, None]
+    else:
+        row = R * 16 + o[:, None]
+        col = K * 16 + o[None, :]
+    keep = (row < C) & (col < C)
+    if TRI == 1:
+        keep = keep & (row >= col)
+    if TRI == 2:
+        keep = keep & (row > col)
+    return tl.load(base + row * C + col, mask=keep, other=0.0)
+
+
+@triton.jit
+def _put(base, R, K, v, C: tl.constexpr):
+    """Store the 16 x 16 tile v as block (R, K) of the row-major [C, C] matrix at ``base``."""
+    o = tl.arange(0, 16)
+    row = R * 16 + o[:, None]
+    col = K * 16 + o[None, :]
+    tl.store(base + row * C + col, v, mask=(row < C) & (col < C))
+
+
+@triton.jit
+def _fwd_diag_kernel(A, Beta, X, C: tl.constexpr):
+    """X[T, T] = (I + L[T, T])^-1 for T = program_id(1); writes nothing else."""
+    n = tl.program_id(0).to(tl.int64)
+    T = tl.program_id(1)
+    a = A + n * C * C
+    o = tl.arange(0, 16)
+    # s = (I + l)^-1 - I (strictly lower), one row at a time: s[i] = -(l[i] + l[i] @ s).
+    s = tl.zeros((16, 16), dtype=tl.float32)
+    for i in tl.static_range(1, 16):
+        r = T * 16 + i
+        l_i = tl.load(a + r * C + T * 16 + o, mask=(o < i) & (r < C), other=0.0)
+        l_i = l_i * tl.load(Beta + n * C + r, mask=r < C, other=0.0)
+        v = l_i + tl.sum(l_i[:, None] * s, 0)
+        s = tl.where(o[:, None] == i, -v[None, :], s)
+    diag = o[:, None] == o[None, :]
+    x = tl.where(diag, 1.0, tl.where(o[:, None] > o[None, :], s, 0.0))
+    _put(X + n * C * C, T, T, x, C)
+
+
+@triton.jit
+def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr):
+    """Column panel J = program_id(1) of X (all but X[J, J]) and QX. Needs every X[i, i]."""
+    NT: tl.constexpr = (C + 15) // 16
+    n = tl.program_id(0).to(tl.int64)
+    J = tl.program_id(1)
+    base = n * C * C
+    a = A + base
+    qk = QK + base
+    x = X + base
+    qx = QX + base
+    o = tl.arange(0, 16)
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    for R in range(0, J):
+        _put(x, R, J, zero, C)
+        _put(qx, R, J, zero, C)
+    q_jj = _mm(_tile(qk, J, J, C, 1, False), _tile(x, J, J, C, 1, False), zero)
+    _put(qx, J, J, tl.where(o[:, None] >= o[None, :], q_jj, 0.0), C)
+    for I in range(J + 1, NT):
+        rows = I * 16 + o
+        b_i = tl.load(Beta + n * C + rows, mask=rows < C, other=0.0)
+        lx = zero
+        q_ij = zero
+        for K in range(J, I):
+            x_kj = _tile(x, K, J, C, 1, False)
+            lx = _mm(_tile(a, I, K, C, 2, False) * b_i[:, None], x_kj, lx)
+            q_ij = _mm(_tile(qk, I, K, C, 1, False), x_kj, q_ij)
+        x_ij = -_mm(_tile(x, I, I, C, 1, False), lx, zero)
+        _put(x, I, J, x_ij, C)
+        tl.debug_barrier()  # X[I, J] is read back by the next blocks of this panel
+        q_ij = _mm(_tile(qk, I, I, C, 1, False), x_ij, q_ij)
+        _put(qx, I, J, q_ij, C)
+
+
+@triton.jit
+def _bwd_panel_kernel(QK, X, dX, dQX, G, W, C: tl.constexpr):
+    """Column panel B = program_id(1) of G (staged in G) and W = X^T G, bottom block first."""
+    NT: tl.constexpr = (C + 15) // 16
+    n = tl.program_id(0).to(tl.int64)
+    B = tl.program_id(1)
+    base = n * C * C
+    qk = QK + base
+    x = X + base
+    dqx = dQX + base
+    g_st = G + base
+    w_st = W + base
+    o = tl.arange(0, 16)
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    for t in range(0, NT - B):
+        I = NT - 1 - t
+        # G[I, B] = dX[I, B] + sum_{K >= I} tril(QK)[K, I]^T dQX[K, B], strict lower.
+        g = _tile(dX + base, I, B, C, 2, False)
+        for K in range(I, NT):
+            g = _mm(_tile(qk, K, I, C, 1, True), _tile(dqx, K, B, C, 1, False), g)
+        g = tl.where((I * 16 + o[:, None]) > (B * 16 + o[None, :]), g, 0.0)
+        _put(g_st, I, B, g, C)
+        tl.debug_barrier()  # G[I, B] is read back by the blocks above
+        # W[I, B] = sum_{K >= I} X[K, I]^T G[K, B].
+        w = _mm(_tile(x, I, I, C, 1, True), g, zero)
+        for K in range(I + 1, NT):
+            w = _mm(_tile(x, K, I, C, 1, True), _tile(g_st, K, B, C, 0, False), w)
+        _put(w_st, I, B, w, C)
+
+
+@triton.jit
+def _bwd_row_kernel(A, Beta, X, dQX, W, dA, dBeta, dQK, C: tl.constexpr):
+    """Row panel I = program_id(1) of dA, dQK and dbeta, from X, dQX and W = X^T G."""
+    NT: tl.constexpr = (C + 15) // 16
+    n = tl.program_id(0).to(tl.int64)
+    I = tl.program_id(1)
+    base = n * C * C
+    a = A + base
+    x = X + base
+    dqx = dQX + base
+    w_st = W + base
+    o = tl.arange(0, 16)
+    rows = I * 16 + o
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    b_i = tl.load(Beta + n * C + rows, mask=rows < C, other=0.0)
+    db = tl.zeros((16,), dtype=tl.float32)
+    for J in range(0, I + 1):
+        m = zero
+        q = zero
+        for K in range(0, J + 1):
+            xt = _tile(x, J, K, C, 1, True)
+            m = _mm(_tile(w_st, I, K, C, 1, False), xt, m)
+            q = _mm(_tile(dqx, I, K, C, 1, False), xt, q)
+        cols = J * 16 + o
+        below = rows[:, None] > cols[None, :]
+        dl = tl.where(below, -m, 0.0)
+        _put(dA + base, I, J, tl.where(below, dl * b_i[:, None], 0.0), C)
+        _put(dQK + base, I, J, tl.where(rows[:, None] >= cols[None, :], q, 0.0), C)
+        db += tl.sum(dl * _tile(a, I, J, C, 2, False), 1)
+    for J in range(I + 1, NT):
+        _put(dA + base, I, J, zero, C)
+        _put(dQK + base, I, J, zero, C)
+    tl.store(dBeta + n * C + rows, db, mask=rows < C)
+
+
+def wy_solve_fwd(A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch.Tensor,
+                 QX: torch.Tensor) -> None:
+    """Fill X = (I + tril(beta A, -1))^-1 and QX = tril(QK) X; shapes and layout as above."""
+    n, c = A.shape[0], A.shape[1]
+    if n == 0 or c == 0:
+        return
+    grid = (n, triton.cdiv(c, TILE))
+    warps, stages = _DIAG_CONFIG
+    wrap_triton(_fwd_diag_kernel)[grid](A, beta, X, C=c, num_warps=warps, num_stages=stages)
+    warps, stages = _PANEL_CONFIG
+    wrap_triton(_fwd_panel_kernel)[grid](A, beta, QK, X, QX, C=c, num_warps=warps,
+                                         num_stages=stages)
+
+
+def wy_solve_bwd(A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch.Tensor,
+                 dX: torch.Tensor, dQX: torch.Tensor, dA: torch.Tensor, dbeta: torch.Tensor,
+                 dQK: torch.Tensor) -> None:
+    """Fill dA, dbeta, dQK, the gradients of ``wy_solve_fwd`` given X and (dX, dQX)."""
+    n, c = A.shape[0], A.shape[1]
+    if n == 0 or c == 0:
+        return
+    grid = (n, triton.cdiv(c, TILE))
+    w_scratch = X.new_empty(X.shape)
+    warps, stages = _PANEL_CONFIG
+    wrap_triton(_bwd_panel_kernel)[grid](QK, X, dX, dQX, dA, w_scratch, C=c, num_warps=warps,
+                                         num_stages=stages)
+    wrap_triton(_bwd_row_kernel)[grid](A, beta, X, dQX, w_scratch, dA, dbeta, dQK, C=c,
+                                       num_warps=warps, num_stages=stages)

@@ -1,0 +1,2 @@
+"""Fake (meta) implementations of the ``sdm::`` operators: output shapes, dtypes and strides
+exactly as the real implementations allocate them (contiguous), with no data reads."""

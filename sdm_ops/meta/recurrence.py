@@ -1,0 +1,58 @@
+"""Fakes of the recurrence operators: ``sdm::chunk_prepare``, ``sdm::recurrence_fwd`` and
+``sdm::recurrence_fwd_``. Shapes follow the launchers' allocations (all contiguous)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..reference import QUANT_GROUP
+
+
+def weight_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 on the CPU path when a float input is float64, else float32."""
+    wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
+    return torch.float64 if wide else torch.float32
+
+
+def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, W: int, D: int):
+    """(shape, dtype) of the snapshot rows and the shape of their scales for ``mode``."""
+    rows = (B, T, H, W, D)
+    if mode == "none":
+        return rows, bank.dtype, (0,)
+    if mode == "bf16":
+        return rows, torch.bfloat16, (0,)
+    scales = (B, T, H, W, D // QUANT_GROUP)
+    if mode == "fp8":
+        return rows, torch.float8_e4m3fn, scales
+    return (B, T, H, W, D // 2), torch.uint8, scales
+
+
+def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size):
+    B, T, H, W = write_idx.shape
+    R = read_idx.shape[-1]
+    C = chunk_size
+    N = (T + C - 1) // C
+    wd = weight_dtype(write_w, read_w, decay)
+    a = write_w.new_empty((B, H, N, C, C), dtype=wd)
+    e = write_w.new_empty((B, T, H, W), dtype=wd)
+    return (a, a.new_empty(a.shape), e, write_w.new_empty((B, T, H, R), dtype=wd),
+            e.new_empty(e.shape), e.new_empty(e.shape), write_idx.new_empty((B, T, H, W), dtype=torch.int32))
+
+
+def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
+                        rank, X, QX, bank, snapshot):
+    B, T, H, D = v.shape
+    S = bank.shape[-2]
+    W = write_idx.shape[-1]
+    wd = weight_dtype(v, bank, gather_w)
+    rows, rows_dtype, scales = snapshot_layout(snapshot, bank, B, T, H, W, D)
+    t = v.new_empty((B, T, H, D), dtype=wd)
+    return (v.new_empty((B, T, H, D)), bank.new_empty((B, H, S, D)),
+            bank.new_empty(rows, dtype=rows_dtype), bank.new_empty(scales, dtype=torch.float32),
+            t, t.new_empty(t.shape))
+
+
+def recurrence_fwd_inplace_fake(bank, v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
+                                row_decay, rank, X, QX):
+    return v.new_empty(v.shape)

@@ -1,0 +1,466 @@
+"""Plain PyTorch implementations of everything sdm_ops computes.
+
+These functions are the CPU path of every ``sdm::`` operator and the oracle of every kernel test.
+They are vectorized over streams (``P = B * H``) and within a chunk, and loop over chunks only
+(the token-by-token recurrence loops over tokens). They work in float32 or float64 and are
+differentiable with autograd (products of decays are computed with ``prod`` and ``cumprod``,
+never by division, so decays of exactly 0 are fine).
+
+Conventions shared with the kernels:
+
+* Streams are ``[P, T, ...]`` after :func:`to_streams`; chunk ``n`` of a stream holds tokens
+  ``n * C ... n * C + C - 1``; tokens past ``T`` in the last chunk are padding.
+* An index of ``-1`` is padding: its weight and decay are ignored. Callers validate that every
+  other index lies in ``[0, S)``; here any index outside ``[0, S)`` is treated as padding too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ChunkWeights",
+    "chunk_weights",
+    "compute_dtype",
+    "product_key_topk_backward_reference",
+    "product_key_topk_reference",
+    "sdm_chunked_reference",
+    "sdm_token_reference",
+    "wy_solve_backward_reference",
+    "wy_solve_reference",
+]
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any floating input is float64, else float32 (internal arithmetic)."""
+    wide = any(t is not None and t.dtype == torch.float64 for t in tensors)
+    return torch.float64 if wide else torch.float32
+
+
+def to_streams(x: Tensor) -> Tensor:
+    """[B, T, H, ...] -> [B * H, T, ...]."""
+    b, t, h = x.shape[:3]
+    return x.transpose(1, 2).reshape(b * h, t, *x.shape[3:])
+
+
+def from_streams(x: Tensor, b: int, h: int) -> Tensor:
+    """[B * H, T, ...] -> [B, T, H, ...]."""
+    return x.reshape(b, h, *x.shape[1:]).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------
+# WY solve
+# ---------------------------------------------------------------------------
+
+def wy_solve_reference(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
+    """X = (I + tril(beta[:, None] * A, -1))^-1 and QX = tril(QK) @ X per chunk.
+
+    A, QK: [N, C, C]; beta: [N, C]. Only the strict lower triangle of A and the lower triangle
+    of QK are read. Returns X (unit lower triangular) and QX, [N, C, C], zero above the diagonal.
+    """
+    n, c, _ = A.shape
+    eye = torch.eye(c, dtype=A.dtype, device=A.device).expand(n, c, c)
+    m = eye + torch.tril(beta.reshape(n, c, 1) * A, -1)
+    X = torch.linalg.solve_triangular(m, eye, upper=False, unitriangular=True)
+    QX = torch.tril(QK) @ X
+    return X, QX
+
+
+def wy_solve_backward_reference(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor,
+                                dX: Tensor, dQX: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`wy_solve_reference` given X and the output gradients.
+
+    With M = I + L: dQK = tril(dQX X^T), dM = -X^T (dX + tril(QK)^T dQX) X^T, dA = beta * dM
+    and dbeta = rowsum(dM * A), both over the strict lower triangle. Only the lower triangles of
+    dX and dQX can reach the result, since X and QX are structurally zero above the diagonal.
+    """
+    n, c, _ = A.shape
+    Xt = X.transpose(1, 2)
+    dQK = torch.tril(dQX @ Xt)
+    dM = -(Xt @ (dX + torch.tril(QK).transpose(1, 2) @ dQX) @ Xt)
+    dL = torch.tril(dM, -1)
+    dA = dL * beta.reshape(n, c, 1)
+    dbeta = (dL * A).sum(-1)
+    return dA, dbeta.reshape(beta.shape), dQK
+
+
+# ---------------------------------------------------------------------------
+# Product-key top-k
+# ---------------------------------------------------------------------------
+
+def _order_key(x: Tensor) -> Tensor:
+    """Scores as compared by the top-k: float64 with NaN counted as -inf and -0 as +0."""
+    x = x.to(torch.float64)
+    return torch.where(torch.isnan(x), torch.full_like(x, -math.inf), x) + 0.0
+
+
+def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...], k: int) -> tuple[Tensor, Tensor]:
+    """Exact top-k over product keys by brute force (small factors only).
+
+    The order (shared with the Triton kernels) is defined factor by factor. Factor 0 ranks its
+    columns by value, larger first, equal values to the smaller column. The prefix of factors
+    0..f ranks its tuples by score (the float32 sum of the factor values, added in factor order),
+    larger first; equal scores go to the better rank of the prefix 0..f-1, then to the better
+    rank of factor f's column. NaN counts as -inf and -0 as +0. The kk = min(k, prod(factors))
+    best slots are returned with ``lin`` (row-major slot index, int64) ascending and ``val`` the
+    scores in ``raw``'s dtype.
+    """
+    lead = raw.shape[:-1]
+    rows = raw.reshape(-1, raw.shape[-1]).to(torch.float32)
+    cols = torch.split(rows, list(factors), dim=-1)
+    n = rows.shape[0]
+    score = cols[0]                                    # [n, prefix slots]
+    rank = _rank(score, torch.zeros_like(score, dtype=torch.int64))
+    for f in range(1, len(factors)):
+        fac = cols[f]
+        frank = _rank(fac, torch.zeros_like(fac, dtype=torch.int64))
+        score = (score[:, :, None] + fac[:, None, :]).reshape(n, -1)
+        tie = (rank[:, :, None] * factors[f] + frank[:, None, :]).reshape(n, -1)
+        rank = _rank(score, tie)
+    kk = min(k, math.prod(factors))
+    best = torch.argsort(rank, dim=-1)[:, :kk]
+    lin, _ = torch.sort(best, dim=-1)
+    val = torch.gather(score, 1, lin).to(raw.dtype)
+    return val.reshape(*lead, kk), lin.reshape(*lead, kk)
+
+
+def _rank(score: Tensor, tie: Tensor) -> Tensor:
+    """Rank (0 = best) of each column: score descending, then ``tie`` ascending."""
+    key = _order_key(score)
+    order = torch.argsort(tie, dim=-1, stable=True)
+    key_sorted = torch.gather(key, 1, order)
+    order = torch.gather(order, 1, torch.argsort(-key_sorted, dim=-1, stable=True))
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    return rank
+
+
+def product_key_topk_backward_reference(lin: Tensor, grad_val: Tensor, factors: tuple[int, ...]) -> Tensor:
+    """grad_raw [..., sum(factors)] float32: each selected slot adds its value gradient to the
+    one column of each factor that it sums."""
+    lead = lin.shape[:-1]
+    lin2 = lin.reshape(-1, lin.shape[-1])
+    g = grad_val.reshape(lin2.shape).to(torch.float32)
+    out = torch.zeros(lin2.shape[0], sum(factors), dtype=torch.float32, device=lin.device)
+    rest = lin2
+    offset = sum(factors)
+    for f in reversed(factors):
+        offset -= f
+        col = rest % f
+        rest = rest // f
+        out.scatter_add_(1, col + offset, g)
+    return out.reshape(*lead, sum(factors))
+
+
+# ---------------------------------------------------------------------------
+# The recurrence
+# ---------------------------------------------------------------------------
+
+def _entries(idx: Tensor, w: Tensor, s: int, decay: Tensor | None = None):
+    """Slots (padding -> -1), masked weights and masked decays of entries."""
+    valid = (idx >= 0) & (idx < s)
+    slot = torch.where(valid, idx.to(torch.int64), -1)
+    w = torch.where(valid, w, torch.zeros_like(w))
+    if decay is not None:
+        decay = torch.where(valid, decay, torch.ones_like(decay))
+    return slot, w, decay
+
+
+def sdm_token_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
+    """SPEC section 1 token by token on dense per-stream state (small S only).
+
+    Returns (out [B, T, H, D], bank [B, H, S, D]) in the compute dtype.
+    """
+    cd = compute_dtype(v, bank, write_w, read_w, beta, decay)
+    B, T, H, D = v.shape
+    S = bank.shape[-2]
+    M = bank.to(cd).expand(B, H, S, D).clone()
+    outs = []
+    for t in range(T):
+        slot, w, dec = _entries(write_idx[:, t], write_w[:, t].to(cd), S,
+                                None if decay is None else decay[:, t].to(cd))
+        rslot, rw, _ = _entries(read_idx[:, t], read_w[:, t].to(cd), S)
+        k = torch.zeros(B, H, S, dtype=cd)
+        d = torch.ones(B, H, S, dtype=cd)
+        for j in range(slot.shape[-1]):
+            hit = torch.nn.functional.one_hot(slot[..., j].clamp(min=0), S).to(torch.bool)
+            hit &= (slot[..., j] >= 0)[..., None]
+            k = k + torch.where(hit, w[..., j:j + 1], 0)
+            if dec is not None:
+                d = d * torch.where(hit, dec[..., j:j + 1], 1)
+        q = torch.zeros(B, H, S, dtype=cd)
+        for j in range(rslot.shape[-1]):
+            hit = torch.nn.functional.one_hot(rslot[..., j].clamp(min=0), S).to(torch.bool)
+            hit &= (rslot[..., j] >= 0)[..., None]
+            q = q + torch.where(hit, rw[..., j:j + 1], 0)
+        Mp = d[..., None] * M
+        err = v[:, t].to(cd) - torch.einsum("bhs,bhsd->bhd", k, Mp)
+        M = Mp + beta[:, t].to(cd)[..., None, None] * k[..., None] * err[..., None, :]
+        outs.append(torch.einsum("bhs,bhsd->bhd", q, M))
+    out = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, D, dtype=cd)
+    return out, M
+
+
+class ChunkWeights(NamedTuple):
+    """Everything the bank-free first phase derives from one chunk of every stream.
+
+    Shapes use P streams, C tokens, W write and R read entries per token.
+    A, QK: [P, C, C] (strict lower / lower triangle, zero elsewhere);
+    gather_w: [P, C, W], write weight times the decay from the chunk start through its token;
+    gather_r: [P, C, R], the same for read entries (decays of the write entries);
+    scatter_w: [P, C, W], write weight times the decay after its token to the chunk end;
+    row_decay: [P, C, W], the whole chunk's decay product on the entry's slot;
+    rank: [P, C, W] int64, how many earlier (token-major) entries of the chunk share the slot;
+    slot / rslot: [P, C, W] / [P, C, R] int64 slots, -1 for padding.
+    """
+    A: Tensor
+    QK: Tensor
+    gather_w: Tensor
+    gather_r: Tensor
+    scatter_w: Tensor
+    row_decay: Tensor
+    rank: Tensor
+    slot: Tensor
+    rslot: Tensor
+
+
+def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkWeights:
+    """Phase 1 of SPEC section 2 for one chunk of every stream (inputs [P, C, W] / [P, C, R])."""
+    P, C, W = write_idx.shape
+    R = read_idx.shape[-1]
+    cd = write_w.dtype
+    if decay is None:
+        decay = torch.ones_like(write_w)
+    slot, w, dec = _entries(write_idx, write_w, s, decay)
+    rslot, rw, _ = _entries(read_idx, read_w, s)
+    E, Er = C * W, C * R
+    s_b, w_b, d_b = slot.reshape(P, E), w.reshape(P, E), dec.reshape(P, E)
+    s_r, w_r = rslot.reshape(P, Er), rw.reshape(P, Er)
+    tok = torch.arange(C, device=slot.device)
+    tok_b, tok_r = tok.repeat_interleave(W), tok.repeat_interleave(R)
+    ok_b, ok_r = s_b >= 0, s_r >= 0
+    same = (s_b[:, :, None] == s_b[:, None, :]) & ok_b[:, :, None] & ok_b[:, None, :]   # [P, E, E]
+    rsame = (s_r[:, :, None] == s_b[:, None, :]) & ok_r[:, :, None] & ok_b[:, None, :]  # [P, Er, E]
+    one = torch.ones((), dtype=cd, device=slot.device)
+    # dec_on[x, t]: decay that token t applies to the slot of entry x (product over its entries).
+    dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)       # [P, E, C]
+    rdec_on = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)     # [P, Er, C]
+    # since[b, i] = Gamma_{i/j} on b's slot, j = b's token (1 for i <= j).
+    since = torch.cumprod(torch.where(tok[None, None, :] > tok_b[None, :, None], dec_on, one), -1)
+    upto = torch.cumprod(dec_on, -1)                                                     # [P, E, C]
+    rupto = torch.cumprod(rdec_on, -1)
+    gather_w = w_b * upto.gather(2, tok_b.expand(P, E)[..., None]).squeeze(-1)
+    gather_r = w_r * rupto.gather(2, tok_r.expand(P, Er)[..., None]).squeeze(-1)
+    scatter_w = w_b * since[..., C - 1]
+    row_decay = upto[..., C - 1]
+    # Pair terms: w_a w_b Gamma_{i/j} for entries a (token i) and b (token j) on one slot.
+    since_at_a = since.transpose(1, 2)[:, tok_b, :]                                      # [P, E(a), E(b)]
+    pair = torch.where(same, w_b[:, :, None] * w_b[:, None, :] * since_at_a, 0)
+    A = torch.tril(pair.reshape(P, C, W, C, W).sum((2, 4)), -1)
+    since_at_r = since.transpose(1, 2)[:, tok_r, :]
+    rpair = torch.where(rsame, w_r[:, :, None] * w_b[:, None, :] * since_at_r, 0)
+    QK = torch.tril(rpair.reshape(P, C, R, C, W).sum((2, 4)))
+    earlier = torch.arange(E, device=slot.device)
+    rank = (same & (earlier[None, None, :] < earlier[None, :, None])).sum(-1)
+    return ChunkWeights(A, QK, gather_w.reshape(P, C, W), gather_r.reshape(P, C, R),
+                        scatter_w.reshape(P, C, W), row_decay.reshape(P, C, W),
+                        rank.reshape(P, C, W), slot, rslot)
+
+
+def _gather_rows(M: Tensor, slot: Tensor) -> Tensor:
+    """Rows M[p, slot] ([P, S, D], slot [P, N]) -> [P, N, D], zero for padding."""
+    rows = torch.gather(M, 1, slot.clamp(min=0)[..., None].expand(*slot.shape, M.shape[-1]))
+    return torch.where((slot >= 0)[..., None], rows, torch.zeros((), dtype=M.dtype, device=M.device))
+
+
+SNAPSHOT_MODES = ("none", "bf16", "fp8", "int4")
+QUANT_GROUP = 16      # columns sharing one scale in the fp8 and int4 snapshots
+FP8_MAX = 448.0       # largest float8_e4m3fn
+INT4_MAX = 7.0        # int4 codes are round(x / scale) in [-7, 7], stored + 8
+
+
+class Prepared(NamedTuple):
+    """Phase-1 outputs for every chunk (the ``sdm::chunk_prepare`` operator's contract).
+
+    A, QK: [B, H, N, C, C] (N = ceil(T / C) chunks); gather_w, scatter_w, row_decay: [B, T, H, W];
+    gather_r: [B, T, H, R]; all float (compute dtype). rank: [B, T, H, W] int32 (see ChunkWeights).
+    Entries that are padding have zero weights, decay 1 and rank 0.
+    """
+    A: Tensor
+    QK: Tensor
+    gather_w: Tensor
+    gather_r: Tensor
+    scatter_w: Tensor
+    row_decay: Tensor
+    rank: Tensor
+
+
+def _chunked(x: Tensor, c: int, fill) -> Tensor:
+    """[P, T, ...] -> [P * N, C, ...], padding the last chunk with ``fill``."""
+    p, t = x.shape[:2]
+    n = -(-t // c)
+    pad = n * c - t
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad), value=fill)
+    return x.reshape(p * n, c, *x.shape[2:])
+
+
+def _unchunked(x: Tensor, p: int, t: int) -> Tensor:
+    """[P * N, C, ...] -> [P, T, ...]."""
+    n = x.shape[0] // p if p else 0
+    return x.reshape(p, n * x.shape[1], *x.shape[2:])[:, :t]
+
+
+def chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
+                            chunk_size: int, *, slab: int = 256) -> Prepared:
+    """Phase 1 (bank-free) for all chunks, ``slab`` chunks at a time (bounded memory)."""
+    cd = compute_dtype(write_w, read_w, decay)
+    B, T, H, W = write_idx.shape
+    P, C = B * H, chunk_size
+    wi = _chunked(to_streams(write_idx), C, -1)
+    ww = _chunked(to_streams(write_w.to(cd)), C, 0)
+    ri = _chunked(to_streams(read_idx), C, -1)
+    rw = _chunked(to_streams(read_w.to(cd)), C, 0)
+    dc = None if decay is None else _chunked(to_streams(decay.to(cd)), C, 1)
+    parts = [chunk_weights(wi[i:i + slab], ww[i:i + slab], ri[i:i + slab], rw[i:i + slab],
+                           None if dc is None else dc[i:i + slab], bank_rows)
+             for i in range(0, wi.shape[0], slab)]
+    cw = ChunkWeights(*(torch.cat(f, 0) if parts else None for f in zip(*parts))) if parts else None
+    N = wi.shape[0] // max(P, 1) if P else 0
+    if cw is None:   # T == 0 (or no streams)
+        z = torch.zeros(B, H, 0, C, C, dtype=cd, device=write_idx.device)
+        e = write_w.new_zeros(B, T, H, W, dtype=cd)
+        return Prepared(z, z.clone(), e, read_w.new_zeros(B, T, H, read_idx.shape[-1], dtype=cd),
+                        e.clone(), e + 1, torch.zeros(B, T, H, W, dtype=torch.int32, device=e.device))
+
+    def entries(x):
+        return from_streams(_unchunked(x, P, T), B, H)
+
+    return Prepared(cw.A.reshape(B, H, N, C, C), cw.QK.reshape(B, H, N, C, C),
+                    entries(cw.gather_w), entries(cw.gather_r), entries(cw.scatter_w),
+                    entries(cw.row_decay), entries(cw.rank).to(torch.int32))
+
+
+def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+    """Snapshot rows [..., D] (float32) in ``mode``: (codes, scales [..., D / 16] or empty).
+
+    none: the rows unchanged (callers store them in the bank dtype); bf16: rounded to bfloat16;
+    fp8: float8_e4m3fn codes of rows / scale with scale = amax / 448 per group of 16 columns;
+    int4: round-half-up(rows / scale) in [-7, 7], scale = amax / 7, stored + 8 two per byte
+    (even column in the low nibble). A group of zeros gets scale 1.
+    """
+    if mode in ("none", "bf16"):
+        return (rows if mode == "none" else rows.to(torch.bfloat16)), rows.new_zeros(0)
+    d = rows.shape[-1]
+    g = rows.reshape(*rows.shape[:-1], d // QUANT_GROUP, QUANT_GROUP)
+    top = FP8_MAX if mode == "fp8" else INT4_MAX
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    x = g / scale
+    if mode == "fp8":
+        codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(rows.shape)
+    else:
+        q = (torch.floor(x + 0.5).clamp(-INT4_MAX, INT4_MAX) + 8).to(torch.uint8).reshape(rows.shape)
+        codes = q[..., 0::2] | (q[..., 1::2] << 4)
+    return codes, scale.squeeze(-1).to(torch.float32)
+
+
+def dequantize_rows(codes: Tensor, scale: Tensor, mode: str) -> Tensor:
+    """Inverse of :func:`quantize_rows` (float32 rows)."""
+    if mode in ("none", "bf16"):
+        return codes.to(torch.float32)
+    if mode == "fp8":
+        x = codes.to(torch.float32)
+    else:
+        lo = (codes & 15).to(torch.float32) - 8
+        hi = (codes >> 4).to(torch.float32) - 8
+        x = torch.stack((lo, hi), -1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+    g = x.reshape(*x.shape[:-1], -1, QUANT_GROUP) * scale[..., None]
+    return g.reshape(x.shape)
+
+
+def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank,
+                             snapshot: str = "none"):
+    """Phase 2 (gathers, dual matmul, decay and write) for all chunks, given phase 1 and the
+    WY solve (X, QX: [B, H, N, C, C]).
+
+    Returns (out [B, T, H, D], bank [B, H, S, D], snap, snap_scale, u [B, T, H, D], delta
+    [B, T, H, D]) where snap holds the pre-write bank rows of every write entry, [B, T, H, W, D]
+    (zeros for padding), quantized by :func:`quantize_rows`; u = beta (v - retrieved) and
+    delta = X u. out, u, delta and the bank are in the compute dtype.
+    """
+    cd = compute_dtype(v, bank, prep.gather_w)
+    B, T, H, D = v.shape
+    S = bank.shape[-2]
+    P = B * H
+    C = X.shape[-1]
+    M = bank.to(cd).expand(B, H, S, D).reshape(P, S, D)
+    vs, bs = _chunked(to_streams(v.to(cd)), C, 0), _chunked(to_streams(beta.to(cd)), C, 0)
+    slot = _chunked(to_streams(_entries(write_idx, write_idx, S)[0]), C, -1)
+    rslot = _chunked(to_streams(_entries(read_idx, read_idx, S)[0]), C, -1)
+    gw, sw = _chunked(to_streams(prep.gather_w), C, 0), _chunked(to_streams(prep.scatter_w), C, 0)
+    rd, gr = _chunked(to_streams(prep.row_decay), C, 1), _chunked(to_streams(prep.gather_r), C, 0)
+    first = _chunked(to_streams(prep.rank), C, 1) == 0
+    N = vs.shape[0] // P if P else 0
+    Xs, QXs = X.reshape(P, N, C, C), QX.reshape(P, N, C, C)
+    outs, snaps, us, deltas = [], [], [], []
+    for n in range(N):
+        c = torch.arange(P, device=v.device) * N + n
+        sl, rsl = slot[c], rslot[c]
+        wrows = _gather_rows(M, sl.reshape(P, -1)).reshape(P, C, -1, D)
+        rrows = _gather_rows(M, rsl.reshape(P, -1)).reshape(P, C, -1, D)
+        retrieved = (gw[c][..., None] * wrows).sum(2)
+        inter = (gr[c][..., None] * rrows).sum(2)
+        u = bs[c][..., None] * (vs[c] - retrieved)
+        delta = Xs[:, n] @ u
+        outs.append(inter + QXs[:, n] @ u)
+        snaps.append(wrows)
+        us.append(u)
+        deltas.append(delta)
+        # Decay and write: the first entry on a slot also moves its row by (Gamma_C - 1) M_0.
+        add = sw[c][..., None] * delta[:, :, None, :]
+        add = add + torch.where(first[c][..., None], (rd[c][..., None] - 1) * wrows, 0)
+        flat = sl.reshape(P, -1)
+        add = torch.where((flat >= 0)[..., None], add.reshape(P, -1, D), 0)
+        M = M.scatter_add(1, flat.clamp(min=0)[..., None].expand(P, flat.shape[1], D), add)
+
+    def tokens(parts, *shape):
+        if not parts:
+            return v.new_zeros(B, T, H, *shape, dtype=cd)
+        x = torch.stack(parts, 1).reshape(P * N, C, *shape)
+        return from_streams(_unchunked(x, P, T), B, H)
+
+    W = write_idx.shape[-1]
+    rows = tokens(snaps, W, D)
+    snap, snap_scale = quantize_rows(rows.to(torch.float32) if snapshot != "none" else rows, snapshot)
+    if snapshot == "none":
+        snap = snap.to(bank.dtype if cd == torch.float32 else cd)
+    return (tokens(outs, D), M.reshape(B, H, S, D), snap, snap_scale, tokens(us, D),
+            tokens(deltas, D))
+
+
+def sdm_chunked_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
+                          chunk_size: int = 64):
+    """SPEC section 2: phase 1, the WY solve and phase 2, vectorized over streams.
+
+    v [B, T, H, D]; beta [B, T, H]; write_idx, write_w, decay [B, T, H, W]; read_idx, read_w
+    [B, T, H, R]; bank [B, H, S, D] or [H, S, D]. Returns (out [B, T, H, D], bank [B, H, S, D])
+    in the compute dtype (float64 if any input is float64, else float32). Differentiable.
+    """
+    cd = compute_dtype(v, bank, write_w, read_w, beta, decay)
+    B, T, H, _ = v.shape
+    C = chunk_size
+    prep = chunk_prepare_reference(write_idx, write_w.to(cd), read_idx, read_w.to(cd),
+                                   None if decay is None else decay.to(cd), bank.shape[-2], C)
+    N = prep.A.shape[2]
+    betas = _chunked(to_streams(beta.to(cd)), C, 0) if T else beta.new_zeros(0, C, dtype=cd)
+    X, QX = wy_solve_reference(prep.A.reshape(-1, C, C), betas.reshape(-1, C),
+                               prep.QK.reshape(-1, C, C))
+    X, QX = X.reshape(B, H, N, C, C), QX.reshape(B, H, N, C, C)
+    out, M = recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank)[:2]
+    return out, M

@@ -1,0 +1,47 @@
+"""The per-chunk WY solve of the chunked recurrence (SPEC section 2)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from ._checks import check_same_device, check_shape, check_tensor
+
+
+class WYSolution(NamedTuple):
+    X: Tensor
+    QX: Tensor
+
+
+def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> WYSolution:
+    """Per chunk, ``X = (I + tril(diag(beta) A, -1))^-1`` and ``QX = tril(QK) X``.
+
+    Args:
+        A: ``[N, C, C]`` float32; only the strict lower triangle is read.
+        beta: ``[N, C]`` float32.
+        QK: ``[N, C, C]`` float32; only the lower triangle (diagonal included) is read.
+
+    Returns:
+        ``WYSolution(X, QX)``, each ``[N, C, C]`` float32 contiguous: ``X`` unit lower
+        triangular, both zero above the diagonal. Differentiable in ``A``, ``beta`` and ``QK``
+        (the gradients of ``A`` and ``QK`` are zero where they are not read). All dots are full
+        float32; the result is bitwise deterministic.
+
+    Example::
+
+        >>> A, QK = torch.randn(2, 3, 16, 16).unbind(0)
+        >>> X, QX = sdm_ops.wy_solve(A, torch.rand(3, 16), QK)
+    """
+    check_tensor("A", A, ndim=3, dtypes=(torch.float32,))
+    check_tensor("beta", beta, ndim=2, dtypes=(torch.float32,))
+    check_tensor("QK", QK, ndim=3, dtypes=(torch.float32,))
+    n, c = A.shape[0], A.shape[1]
+    check_shape("A", A, (n, c, c), "[N, C, C]")
+    check_shape("beta", beta, (n, c), "[N, C]")
+    check_shape("QK", QK, (n, c, c), "[N, C, C]")
+    check_same_device({"A": A, "beta": beta, "QK": QK})
+    X, QX = ops.wy_solve(A.contiguous(), beta.contiguous(), QK.contiguous())
+    return WYSolution(X, QX)

@@ -1,0 +1,86 @@
+"""Shared input makers and comparison helpers for the tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from sdm_ops.kernels._common import interpreting, kernels_on_cpu
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+requires_kernels = pytest.mark.skipif(
+    not HAS_CUDA and not interpreting(),
+    reason="needs a CUDA GPU or TRITON_INTERPRET=1 set before triton is imported")
+
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@contextlib.contextmanager
+def on_kernels():
+    """Operators inside launch their Triton kernels: natively on CUDA tensors, under the
+    interpreter on CPU tensors."""
+    if HAS_CUDA:
+        yield
+    else:
+        with kernels_on_cpu():
+            yield
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, name: str = "",
+                 atol: float | None = None) -> None:
+    """Relative error against the largest expected magnitude, with a message that says where
+    and by how much the tensors differ."""
+    actual = actual.detach().to(torch.float64).cpu()
+    expected = expected.detach().to(torch.float64).cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    tol = rtol * max(scale, 1.0) if atol is None else atol + rtol * scale
+    diff = (actual - expected).abs()
+    bad = torch.nan_to_num(diff, nan=float("inf"))
+    if bad.numel() and bad.max().item() > tol:
+        worst = tuple(int(i) for i in torch.unravel_index(bad.argmax(), bad.shape))
+        raise AssertionError(
+            f"{name}: max abs diff {bad.max().item():.3e} at {worst} "
+            f"(actual {actual[worst].item():.6g}, expected {expected[worst].item():.6g}); "
+            f"tolerance {tol:.3e} = rtol {rtol:g} x max(|expected|, 1) {max(scale, 1.0):.3g}")
+
+
+def make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, *, decay=True, shared=False,
+                    dtype=torch.float32, bank_dtype=None, index_dtype=torch.int64,
+                    device="cpu", seed=0, padding=0.15, zero_decay=0.15, one_decay=0.15):
+    """Fresh random arguments of ``sparse_delta_memory`` as a dict.
+
+    Indices are drawn from a small S, so duplicate slots within a token and within a chunk are
+    frequent; a ``padding`` fraction of entries is -1; decays in (0, 1) with fractions set to
+    exactly 0 and exactly 1. Values, weights and the bank are random normals (never zeros).
+    """
+    g = torch.Generator().manual_seed(seed)
+    bank_dtype = dtype if bank_dtype is None else bank_dtype
+
+    def idx(n):
+        i = torch.randint(0, S, (B, T, H, n), generator=g)
+        pad = torch.rand(B, T, H, n, generator=g) < padding
+        return torch.where(pad, -1, i).to(index_dtype).to(device)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt).to(device)
+
+    args = dict(v=rnd(B, T, H, D), beta=torch.rand(B, T, H, generator=g).to(dtype).to(device),
+                write_idx=idx(W), write_w=rnd(B, T, H, W) * 0.5, read_idx=idx(R),
+                read_w=rnd(B, T, H, R) * 0.5,
+                bank=rnd(*(() if shared else (B,)), H, S, D, dt=bank_dtype))
+    if decay:
+        d = torch.rand(B, T, H, W, generator=g)
+        u = torch.rand(B, T, H, W, generator=g)
+        d = torch.where(u < zero_decay, 0.0, torch.where(u > 1 - one_decay, 1.0, d))
+        args["decay"] = d.to(dtype).to(device)
+    return args
+
+
+def to_float64(args: dict) -> dict:
+    """The same arguments with every floating tensor in float64 on the CPU (the oracle's)."""
+    return {k: (v.detach().cpu().to(torch.float64) if v.is_floating_point() else v.cpu())
+            for k, v in args.items()}

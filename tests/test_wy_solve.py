@@ -1,0 +1,161 @@
+"""The WY-solve kernels (``sdm_ops.kernels.wy_solve``) against the float64 reference.
+
+Kernel results come from ``sdm_ops.wy_solve`` and autograd through it inside ``on_kernels()``
+(natively on CUDA, under the Triton interpreter on CPU); the oracle is ``wy_solve_reference``
+(and autograd through it) on float64 CPU copies. Relative error <= 1e-5 of the largest expected
+magnitude, as SPEC section 5 asks for float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sdm_ops
+from sdm_ops.reference import wy_solve_backward_reference, wy_solve_reference
+from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, assert_close, on_kernels, requires_cuda,
+                           requires_kernels)
+
+CHUNK_SIZES = (1, 5, 16, 33, 64, 100, 128)
+N_CHUNKS = 512 if HAS_CUDA else 2  # the interpreter is slow
+RTOL = 1e-5
+
+
+def make_inputs(n: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A, beta, QK) on CPU, float32: A ~ 0.5 randn / sqrt(C) and beta in (0, 1), so that
+    X = (I + tril(beta A, -1))^-1 stays of order one; QK ~ randn / sqrt(C)."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(n, c, c, generator=g) * (0.5 / math.sqrt(c))
+    beta = torch.rand(n, c, generator=g) * 0.98 + 0.01
+    QK = torch.randn(n, c, c, generator=g) / math.sqrt(c)
+    return A, beta, QK
+
+
+def make_output_grads(n: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, dQX) on CPU, float32, dense (the upper triangles too)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return torch.randn(n, c, c, generator=g), torch.randn(n, c, c, generator=g)
+
+
+def kernel_solve(A, beta, QK):
+    with on_kernels():
+        X, QX = sdm_ops.wy_solve(A.to(KERNEL_DEVICE), beta.to(KERNEL_DEVICE), QK.to(KERNEL_DEVICE))
+    return X.cpu(), QX.cpu()
+
+
+def kernel_grads(A, beta, QK, dX, dQX):
+    """(dA, dbeta, dQK) by autograd through ``sdm_ops.wy_solve`` on the kernels."""
+    inputs = [t.to(KERNEL_DEVICE).requires_grad_() for t in (A, beta, QK)]
+    with on_kernels():
+        X, QX = sdm_ops.wy_solve(*inputs)
+        grads = torch.autograd.grad((X, QX), inputs, (dX.to(KERNEL_DEVICE), dQX.to(KERNEL_DEVICE)))
+    return tuple(t.cpu() for t in grads)
+
+
+def reference_grads(A, beta, QK, dX, dQX):
+    """(dA, dbeta, dQK) by float64 autograd through ``wy_solve_reference``."""
+    inputs = [t.detach().double().requires_grad_() for t in (A, beta, QK)]
+    X, QX = wy_solve_reference(*inputs)
+    return torch.autograd.grad((X, QX), inputs, (dX.double(), dQX.double()))
+
+
+def assert_exact_zero_above(t: torch.Tensor, diagonal: int, name: str) -> None:
+    """t is +0.0 (not -0.0) on the diagonals >= ``diagonal`` of each chunk."""
+    upper = torch.triu(t, diagonal)
+    assert not upper.any() and not torch.signbit(upper).any(), \
+        f"{name}: not +0.0 on and above diagonal {diagonal}"
+
+
+@requires_kernels
+@pytest.mark.parametrize("c", CHUNK_SIZES)
+def test_forward_matches_float64_reference_with_exact_zeros_above_diagonal(c):
+    A, beta, QK = make_inputs(N_CHUNKS, c, seed=c)
+    X, QX = kernel_solve(A, beta, QK)
+    rX, rQX = wy_solve_reference(A.double(), beta.double(), QK.double())
+    assert X.dtype == QX.dtype == torch.float32 and X.is_contiguous() and QX.is_contiguous()
+    assert_close(X, rX, rtol=RTOL, name=f"X (C={c})")
+    assert_close(QX, rQX, rtol=RTOL, name=f"QX (C={c})")
+    assert_exact_zero_above(X, 1, "X")
+    assert_exact_zero_above(QX, 1, "QX")
+    assert torch.equal(torch.diagonal(X, dim1=1, dim2=2), torch.ones(N_CHUNKS, c))
+
+
+@requires_kernels
+@pytest.mark.parametrize("c", CHUNK_SIZES)
+def test_backward_matches_float64_autograd_of_reference(c):
+    A, beta, QK = make_inputs(N_CHUNKS, c, seed=100 + c)
+    dX, dQX = make_output_grads(N_CHUNKS, c, seed=100 + c)
+    dA, dbeta, dQK = kernel_grads(A, beta, QK, dX, dQX)
+    rA, rbeta, rQK = reference_grads(A, beta, QK, dX, dQX)
+    assert_close(dA, rA, rtol=RTOL, name=f"dA (C={c})")
+    assert_close(dbeta, rbeta, rtol=RTOL, name=f"dbeta (C={c})")
+    assert_close(dQK, rQK, rtol=RTOL, name=f"dQK (C={c})")
+    assert_exact_zero_above(dA, 0, "dA")
+    assert_exact_zero_above(dQK, 1, "dQK")
+
+
+@requires_kernels
+@pytest.mark.parametrize("c", (33, 128))
+def test_backward_operator_matches_backward_reference(c):
+    """``sdm::wy_solve_backward`` on the kernels against the closed-form backward reference."""
+    A, beta, QK = make_inputs(N_CHUNKS, c, seed=200 + c)
+    dX, dQX = make_output_grads(N_CHUNKS, c, seed=200 + c)
+    X, _ = kernel_solve(A, beta, QK)
+    dev = [t.to(KERNEL_DEVICE) for t in (A, beta, QK, X, dX, dQX)]
+    with on_kernels():
+        got = torch.ops.sdm.wy_solve_backward(*dev)
+    want = wy_solve_backward_reference(*(t.double() for t in (A, beta, QK, X, dX, dQX)))
+    for name, g, w in zip(("dA", "dbeta", "dQK"), got, want):
+        assert_close(g.cpu(), w, rtol=RTOL, name=f"{name} (C={c})")
+
+
+@requires_kernels
+def test_unread_triangles_may_hold_nan():
+    """NaN in every element the contract says is not read (A on and above the diagonal, QK above
+    it, dX on and above it, dQX above it) changes no output or gradient."""
+    n, c = N_CHUNKS, 33
+    A, beta, QK = make_inputs(n, c, seed=7)
+    dX, dQX = make_output_grads(n, c, seed=7)
+    nan = torch.tensor(math.nan)
+    A_bad = torch.where(torch.ones(c, c, dtype=torch.bool).triu(0), nan, A)
+    QK_bad = torch.where(torch.ones(c, c, dtype=torch.bool).triu(1), nan, QK)
+    dX_bad = torch.where(torch.ones(c, c, dtype=torch.bool).triu(0), nan, dX)
+    dQX_bad = torch.where(torch.ones(c, c, dtype=torch.bool).triu(1), nan, dQX)
+
+    X, QX = kernel_solve(A_bad, beta, QK_bad)
+    rX, rQX = wy_solve_reference(A.double(), beta.double(), QK.double())
+    assert_close(X, rX, rtol=RTOL, name="X")
+    assert_close(QX, rQX, rtol=RTOL, name="QX")
+
+    dA, dbeta, dQK = kernel_grads(A_bad, beta, QK_bad, dX_bad, dQX_bad)
+    # The unread gradient entries reach nothing: the reference gets zeros there.
+    rA, rbeta, rQK = reference_grads(A, beta, QK, torch.tril(dX, -1), torch.tril(dQX))
+    assert_close(dA, rA, rtol=RTOL, name="dA")
+    assert_close(dbeta, rbeta, rtol=RTOL, name="dbeta")
+    assert_close(dQK, rQK, rtol=RTOL, name="dQK")
+
+
+@requires_kernels
+def test_zero_chunks_forward_and_backward():
+    A, beta, QK = (t.to(KERNEL_DEVICE).requires_grad_() for t in make_inputs(0, 16, seed=0))
+    with on_kernels():
+        X, QX = sdm_ops.wy_solve(A, beta, QK)
+        assert X.shape == QX.shape == (0, 16, 16)
+        dA, dbeta, dQK = torch.autograd.grad((X.sum() + QX.sum()), (A, beta, QK))
+    assert dA.shape == dQK.shape == (0, 16, 16) and dbeta.shape == (0, 16)
+
+
+@requires_cuda
+def test_forward_and_backward_are_bitwise_deterministic_on_cuda():
+    n, c = 4096, 64
+    A, beta, QK = (t.cuda() for t in make_inputs(n, c, seed=11))
+    dX, dQX = (t.cuda() for t in make_output_grads(n, c, seed=11))
+    runs = []
+    for _ in range(2):
+        X, QX = sdm_ops.wy_solve(A, beta, QK)
+        grads = torch.ops.sdm.wy_solve_backward(A, beta, QK, X, dX, dQX)
+        runs.append((X, QX, *grads))
+    for name, first, second in zip(("X", "QX", "dA", "dbeta", "dQK"), *runs):
+        assert torch.equal(first, second), f"{name} differs between two runs"
