@@ -1,0 +1,134 @@
+"""Benchmark of the SDM forward on the GPU: ``python -m sdm_ops.bench``.
+
+Reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, bfloat16 values; float32 bank with
+and without decay, and a bfloat16 bank. For each case it prints the forward time (median of
+CUDA-event timings), the number of kernel launches of one forward, the bytes-moved floor over
+the copy bandwidth measured in the same run, and the stock-PyTorch reference path on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import sdm_ops
+from sdm_ops import reference as ref
+
+
+def _time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _time_ms(lambda: y.copy_(x), reps=10)
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def kernel_launches(fn) -> int:
+    """CUDA kernels one call of ``fn`` launches (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    args = dict(
+        v=torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16),
+        beta=torch.rand(B, T, H, device=dev, generator=g),
+        write_idx=torch.randint(0, S, (B, T, H, W), device=dev, generator=g),
+        write_w=torch.rand(B, T, H, W, device=dev, generator=g) / W ** 0.5,
+        read_idx=torch.randint(0, S, (B, T, H, R), device=dev, generator=g),
+        read_w=torch.rand(B, T, H, R, device=dev, generator=g) / R ** 0.5,
+        bank=(torch.randn(B, H, S, D, device=dev, generator=g) * 0.1).to(bank_dtype),
+    )
+    if decay:
+        args["decay"] = 0.9 + 0.1 * torch.rand(B, T, H, W, device=dev, generator=g)
+    return args
+
+
+def floor_bytes(a: dict, snapshot_itemsize: int) -> int:
+    """Bytes a forward must move at least: its inputs once, out, the returned bank (read and
+    written), each entry's bank row gathered once, each written row written once, the snapshot."""
+    B, T, H, D = a["v"].shape
+    W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
+    bank = a["bank"]
+    row = D * bank.element_size()
+    inputs = sum(t.numel() * t.element_size() for t in a.values()) - bank.numel() * bank.element_size()
+    out = a["v"].numel() * a["v"].element_size()
+    entries = B * T * H
+    return (inputs + out + 2 * bank.numel() * bank.element_size()
+            + entries * (W + R) * row + entries * W * row + entries * W * D * snapshot_itemsize)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="SDM forward benchmark")
+    parser.add_argument("--B", type=int, default=8)
+    parser.add_argument("--T", type=int, default=4096)
+    parser.add_argument("--H", type=int, default=8)
+    parser.add_argument("--D", type=int, default=64)
+    parser.add_argument("--S", type=int, default=65536)
+    parser.add_argument("--W", type=int, default=8)
+    parser.add_argument("--R", type=int, default=8)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sdm_ops.bench needs a CUDA GPU; nothing to measure here.")
+        return 0
+    bw = copy_bandwidth()
+    shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
+    print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s")
+    print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
+          f"C={args.chunk_size}, bfloat16 values")
+    head = f"{'case':<28}{'forward ms':>11}{'launches':>10}{'floor ms':>10}{'x floor':>9}{'reference ms':>14}"
+    print(head)
+    print("-" * len(head))
+    cases = [("float32 bank, decay", True, torch.float32),
+             ("float32 bank, no decay", False, torch.float32),
+             ("bfloat16 bank, decay", True, torch.bfloat16)]
+    for name, decay, bank_dtype in cases:
+        a = make_workload(*shape, decay=decay, bank_dtype=bank_dtype)
+
+        def fwd():
+            with torch.no_grad():
+                return sdm_ops.sparse_delta_memory(**a, chunk_size=args.chunk_size)
+
+        ms = _time_ms(fwd)
+        launches = kernel_launches(fwd)
+        floor = floor_bytes(a, a["bank"].element_size()) / bw * 1e3
+        ref_ms = float("nan")
+        if not args.no_reference:
+            def ref_fwd():
+                with torch.no_grad():
+                    return ref.sdm_chunked_reference(**a, chunk_size=args.chunk_size)
+            ref_ms = _time_ms(ref_fwd, reps=2, warmup=1)
+        print(f"{name:<28}{ms:>11.3f}{launches:>10d}{floor:>10.3f}{ms / floor:>9.2f}{ref_ms:>14.1f}")
+        del a
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

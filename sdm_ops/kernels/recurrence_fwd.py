@@ -1,0 +1,221 @@
+"""Phase 2 of the chunked recurrence: gathers, dual matmul, decay and write, chunk by chunk.
+
+Given phase 1 (``chunk_prepare``) and the WY solve (X, QX per chunk), for chunk n of a stream
+with start state M (the bank, updated in place):
+
+    retrieved_i = sum_{a in i} gather_w[a] M[s_a]        inter_i = sum_{r in i} gather_r[r] M[s_r]
+    u = beta * (v - retrieved)     delta = X u     out = inter + QX u
+    M[s] <- row_decay[s] M[s] + sum_{b on s} scatter_w[b] delta_{j_b}     (written slots only)
+
+The bank's D columns are independent, so a program owns one stream and BD = 16 columns and
+walks every chunk of the stream in order: the number of launches does not grow with T.
+Per chunk it (1) gathers the write and read rows of TB tokens at a time, stores the pre-write
+rows as the snapshot, u, and inter (to a per-program scratch); (2) after a barrier, computes
+delta and out with full-float32 dots (X rows in blocks of 32); (3) after a barrier, writes:
+the first entry on each slot (rank 0) stores row_decay * M0 + its term, then entries of rank
+1, 2, ... add their terms in passes separated by barriers, so every bank row has one writer at
+a time and the sum runs in entry order: bitwise deterministic.
+
+Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
+write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
+X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; u, delta [B, T, H, D]
+float32; scratch [B * H, C, D] float32; snapshot rows [B, T, H, W, D] (none: bank dtype,
+bf16: bfloat16, fp8: float8_e4m3fn) or [B, T, H, W, D / 2] uint8 (int4), with scales
+[B, T, H, W, D / 16] float32 for fp8 and int4 (one per 16 columns, see
+``reference.quantize_rows``). Indices outside [0, S) are masked: they read and write nothing.
+Bank offsets are 64-bit.
+
+Grid: (B * H, D // 16), 4 warps, pinned.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+BLOCK_D = 16          # columns per program; also the snapshot quantization group
+_ROWS = 32            # rows of X per dot in step 2
+_NUM_WARPS = 4
+_TILE = 2048          # entries x columns gathered at once
+SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
+SNAP_CODES = {"none": SNAP_NONE, "bf16": SNAP_BF16, "fp8": SNAP_FP8, "int4": SNAP_INT4}
+
+
+@triton.jit
+def _e4m3_bits(x):
+    """float8_e4m3fn bits (int32) of float32 ``x`` in [-448, 448], rounded to nearest even.
+
+    Written out in integer arithmetic rather than ``x.to(tl.float8e4nv)`` so that the result is
+    the same on every backend (Triton's interpreter rounds fp8 differently from the GPU)."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range (a >= 2^-6): keep 3 mantissa bits, round half to even; a carry moves the
+    # exponent, as it should.
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = (((r >> 23) - 127 + 7) << 3) | ((r >> 20) & 7)
+    # Subnormal range: multiples of 2^-9.
+    y = a * 512.0
+    t = tl.floor(y)
+    f = y - t
+    ti = t.to(tl.int32)
+    sub = ti + ((f > 0.5) | ((f == 0.5) & ((ti & 1) == 1))).to(tl.int32)
+    code = tl.where(a >= 0.015625, normal, sub)
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, code | 0x80, code)
+
+
+@triton.jit
+def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
+                    BD: tl.constexpr, MODE: tl.constexpr):
+    """Store gathered rows [TB, EP, BD] of entries ``ent`` [TB, EP] (int64 flat entry index)."""
+    if MODE == 0 or MODE == 1:
+        tl.store(snap + ent[:, :, None] * D + cols[None, None, :],
+                 rows.to(snap.dtype.element_ty), mask=ok[:, :, None])
+    else:
+        amax = tl.max(tl.abs(rows), 2)
+        if MODE == 2:
+            scale = tl.where(amax > 0, amax / 448.0, 1.0)
+            x = rows / scale[:, :, None]
+            x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+            code = _e4m3_bits(x).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            tl.store(snap + ent[:, :, None] * D + cols[None, None, :], code, mask=ok[:, :, None])
+        else:
+            scale = tl.where(amax > 0, amax / 7.0, 1.0)
+            x = tl.floor(rows / scale[:, :, None] + 0.5)
+            q = (tl.minimum(tl.maximum(x, -7.0), 7.0) + 8.0).to(tl.int32)
+            TB: tl.constexpr = rows.shape[0]
+            EP: tl.constexpr = rows.shape[1]
+            lo, hi = tl.split(tl.reshape(q, (TB, EP, BD // 2, 2)))
+            byte = (lo | (hi << 4)).to(tl.uint8)
+            half = c0 // 2 + tl.arange(0, BD // 2)
+            tl.store(snap + ent[:, :, None] * (D // 2) + half[None, None, :], byte,
+                     mask=ok[:, :, None])
+        tl.store(snap_scale + ent * (D // BD) + c0 // BD, scale, mask=ok)
+
+
+@triton.jit
+def _recurrence_fwd_kernel(
+    v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
+    X, QX, bank, out, u, delta, scratch, snap, snap_scale,
+    T, H, S,
+    D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
+    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+    MODE: tl.constexpr, SNAPSHOT: tl.constexpr,
+):
+    p = tl.program_id(0)
+    c0 = tl.program_id(1) * BD
+    cols = c0 + tl.arange(0, BD)
+    b = p // H
+    h = p % H
+    bank_p = bank + (b.to(tl.int64) * H + h) * S * D
+    scratch_p = scratch + p.to(tl.int64) * C * D
+    ow = tl.arange(0, WP)
+    orr = tl.arange(0, RP)
+    N = tl.cdiv(T, C)
+    for n in range(0, N):
+        t0 = n * C
+        npass = 1
+        # (1) Gathers: retrieved, inter, u, snapshot.
+        for tb in range(0, C, TB):
+            ii = tb + tl.arange(0, TB)
+            tok_ok = (t0 + ii) < T
+            tok = (b.to(tl.int64) * T + t0 + ii) * H + h                   # [TB]
+            went = tok[:, None] * W + ow[None, :]                          # [TB, WP]
+            wm = tok_ok[:, None] & (ow[None, :] < W)
+            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
+            ok = wm & (s >= 0) & (s < S)
+            g = tl.load(gather_w + went, mask=ok, other=0.0)
+            rk = tl.load(rank + went, mask=ok, other=0)
+            npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
+            rows = tl.load(bank_p + s[:, :, None] * D + cols[None, None, :],
+                           mask=ok[:, :, None], other=0.0).to(tl.float32)
+            retrieved = tl.sum(g[:, :, None] * rows, 1)                    # [TB, BD]
+            if SNAPSHOT:
+                _store_snapshot(snap, snap_scale, went, rows, wm, c0, cols, D, BD, MODE)
+            rent = tok[:, None] * R + orr[None, :]
+            rm = tok_ok[:, None] & (orr[None, :] < R)
+            q = tl.load(read_idx + rent, mask=rm, other=-1).to(tl.int64)
+            qok = rm & (q >= 0) & (q < S)
+            gq = tl.load(gather_r + rent, mask=qok, other=0.0)
+            qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :],
+                            mask=qok[:, :, None], other=0.0).to(tl.float32)
+            inter = tl.sum(gq[:, :, None] * qrows, 1)
+            vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                         other=0.0).to(tl.float32)
+            bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+            uu = bb[:, None] * (vv - retrieved)
+            tl.store(u + tok[:, None] * D + cols[None, :], uu, mask=tok_ok[:, None])
+            tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
+        tl.debug_barrier()
+        # (2) Dual matmul: delta = X u, out = inter + QX u.
+        ci = tl.arange(0, C)
+        tok_c = (b.to(tl.int64) * T + t0 + ci) * H + h
+        ok_c = (t0 + ci) < T
+        uu = tl.load(u + tok_c[:, None] * D + cols[None, :], mask=ok_c[:, None], other=0.0)
+        x_base = ((b.to(tl.int64) * H + h) * N + n) * C * C
+        for rb in range(0, C, RB):
+            ri = rb + tl.arange(0, RB)
+            xo = x_base + ri[:, None] * C + ci[None, :]
+            dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
+            qx = tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
+            tok_r = (b.to(tl.int64) * T + t0 + ri) * H + h
+            ok_r = ((t0 + ri) < T)[:, None]
+            o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
+            tl.store(delta + tok_r[:, None] * D + cols[None, :], dl, mask=ok_r)
+            tl.store(out + tok_r[:, None] * D + cols[None, :], o.to(out.dtype.element_ty), mask=ok_r)
+        tl.debug_barrier()
+        # (3) Decay and write, pass by pass over the entries' rank within their slot.
+        for k in range(0, npass):
+            for tb in range(0, C, TB):
+                ii = tb + tl.arange(0, TB)
+                tok_ok = (t0 + ii) < T
+                tok = (b.to(tl.int64) * T + t0 + ii) * H + h
+                went = tok[:, None] * W + ow[None, :]
+                wm = tok_ok[:, None] & (ow[None, :] < W)
+                s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
+                ok = wm & (s >= 0) & (s < S)
+                rk = tl.load(rank + went, mask=ok, other=-1)
+                mine = ok & (rk == k)
+                sw = tl.load(scatter_w + went, mask=mine, other=0.0)
+                dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
+                ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
+                rows = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
+                term = sw[:, :, None] * dl[:, None, :]
+                if k == 0:
+                    rd = tl.load(row_decay + went, mask=mine, other=1.0)
+                    new = rd[:, :, None] * rows + term
+                else:
+                    new = rows + term
+                tl.store(ptr, new.to(bank.dtype.element_ty), mask=mine[:, :, None])
+            tl.debug_barrier()
+
+
+def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
+    """(WP, RP, TB): padded entry counts and tokens per gather tile."""
+    wp = triton.next_power_of_2(max(W, 1))
+    rp = triton.next_power_of_2(max(R, 1))
+    tb = max(1, min(C, _TILE // (max(wp, rp) * BLOCK_D)))
+    return wp, rp, tb
+
+
+def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
+                   rank, X, QX, bank, out, u, delta, snap, snap_scale, snapshot: str | None) -> None:
+    """Launch phase 2 over every chunk; ``bank`` is updated in place. ``snapshot`` None skips
+    the snapshot (in-place inference). See the module docstring for the operands."""
+    B, T, H, D = v.shape
+    W, R = write_idx.shape[-1], read_idx.shape[-1]
+    C = X.shape[-1]
+    S = bank.shape[-2]
+    if B * H * T == 0:
+        return
+    wp, rp, tb = recurrence_fwd_geometry(W, R, C)
+    scratch = torch.empty(B * H, C, D, dtype=torch.float32, device=v.device)
+    mode = SNAP_CODES["none" if snapshot is None else snapshot]
+    wrap_triton(_recurrence_fwd_kernel)[(B * H, D // BLOCK_D)](
+        v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
+        X, QX, bank, out, u, delta, scratch,
+        bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
+        T, H, S,
+        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
+        MODE=mode, SNAPSHOT=snapshot is not None, num_warps=_NUM_WARPS)

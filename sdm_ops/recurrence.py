@@ -1,0 +1,186 @@
+"""The SDM recurrence (SPEC sections 1-3): ``sparse_delta_memory`` and ``sparse_delta_memory_``.
+
+Both run phase 1 (``sdm::chunk_prepare``), the WY solve (``sdm::wy_solve``) and phase 2
+(``sdm::recurrence_fwd`` / ``sdm::recurrence_fwd_``), with no host synchronization once the
+arguments are checked (the eager-only index check aside), so they compile with
+``fullgraph=True`` and capture in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
+                      check_tensor, data_checks_enabled)
+from .reference import SNAPSHOT_MODES
+
+CHUNK_SIZES = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_ENTRIES = 64
+
+
+class SDMOutput(NamedTuple):
+    out: Tensor     # [B, T, H, D], v's dtype
+    bank: Tensor    # [B, H, S, D], the bank's dtype: the state after the last token
+
+
+def _check_index_range(name: str, idx: Tensor, S: int) -> None:
+    """Every entry of ``idx`` is -1 (padding) or in [0, S); eager mode only (reads data)."""
+    if idx.numel() == 0 or not data_checks_enabled():
+        return
+    bad = (idx < -1) | (idx >= S)
+    if bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must hold -1 (padding) or slots in [0, {S}), got "
+                         f"{int(idx[pos])} at position {list(pos)}")
+
+
+def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
+                *, inplace: bool) -> None:
+    check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
+    B, T, H, D = v.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"v's last dimension D must be one of {list(HEAD_DIMS)}, got {D}")
+    check_tensor("beta", beta, ndim=3, dtypes=FLOAT_DTYPES)
+    check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    check_tensor("write_idx", write_idx, ndim=4, dtypes=INDEX_DTYPES)
+    W = write_idx.shape[-1]
+    check_shape("write_idx", write_idx, (B, T, H, W), "[B, T, H, W]")
+    check_tensor("write_w", write_w, ndim=4, dtypes=FLOAT_DTYPES)
+    check_shape("write_w", write_w, (B, T, H, W), "[B, T, H, W]")
+    check_tensor("read_idx", read_idx, ndim=4, dtypes=INDEX_DTYPES)
+    R = read_idx.shape[-1]
+    check_shape("read_idx", read_idx, (B, T, H, R), "[B, T, H, R]")
+    check_tensor("read_w", read_w, ndim=4, dtypes=FLOAT_DTYPES)
+    check_shape("read_w", read_w, (B, T, H, R), "[B, T, H, R]")
+    if W > MAX_ENTRIES or R > MAX_ENTRIES:
+        raise ValueError(f"write_idx and read_idx may hold at most {MAX_ENTRIES} entries per "
+                         f"token, got W = {W}, R = {R}")
+    if decay is not None:
+        check_tensor("decay", decay, ndim=4, dtypes=FLOAT_DTYPES)
+        check_shape("decay", decay, (B, T, H, W), "[B, T, H, W]")
+    check_tensor("bank", bank, ndim=(4,) if inplace else (3, 4), dtypes=FLOAT_DTYPES)
+    S = bank.shape[-2]
+    if bank.dim() == 4:
+        check_shape("bank", bank, (B, H, S, D), "[B, H, S, D]")
+    else:
+        check_shape("bank", bank, (H, S, D), "[H, S, D]")
+    if S < 1:
+        raise ValueError("bank must hold at least one slot (S >= 1)")
+    check_int("chunk_size", chunk_size, choices=CHUNK_SIZES)
+    if not isinstance(snapshot, str) or snapshot not in SNAPSHOT_MODES:
+        raise ValueError(f"snapshot must be one of {list(SNAPSHOT_MODES)}, got {snapshot!r}")
+    check_same_device({"v": v, "beta": beta, "write_idx": write_idx, "write_w": write_w,
+                       "read_idx": read_idx, "read_w": read_w, "bank": bank, "decay": decay})
+    _check_index_range("write_idx", write_idx, S)
+    _check_index_range("read_idx", read_idx, S)
+
+
+def _chunk_betas(beta: Tensor, chunk_size: int) -> Tensor:
+    """beta [B, T, H] -> [B * H * N, C] float32, zero past T (the WY solve's layout)."""
+    B, T, H = beta.shape
+    N = -(-T // chunk_size)
+    x = beta.to(torch.float32).transpose(1, 2)
+    x = torch.nn.functional.pad(x, (0, N * chunk_size - T))
+    return x.reshape(B * H * N, chunk_size)
+
+
+def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C):
+    prep = ops.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, S, C)
+    A, QK = prep[0], prep[1]
+    X, QX = ops.wy_solve(A.view(-1, C, C), _chunk_betas(beta, C), QK.view(-1, C, C))
+    return prep, X.view(A.shape), QX.view(A.shape)
+
+
+def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
+                        read_idx: Tensor, read_w: Tensor, bank: Tensor,
+                        decay: Tensor | None = None, *, chunk_size: int = 64,
+                        snapshot: str = "none") -> SDMOutput:
+    """Run the sparse delta memory over a sequence (functional: ``bank`` is not modified).
+
+    Per stream (batch row b, head h) the bank M is [S, D]. Token t writes ``W`` entries
+    ``(write_idx, write_w)`` forming the sparse key k_t, reads ``R`` entries ``(read_idx,
+    read_w)`` forming q_t, and carries the value v_t and strength beta_t:
+
+        M' = diag(d_t) M;   M = M' + beta_t k_t (v_t - M'^T k_t)^T;   out_t = M^T q_t
+
+    where d_t multiplies each slot the token writes by its entries' decays (1 elsewhere).
+
+    Args:
+        v: ``[B, T, H, D]`` float32 or bfloat16, D in {16, 32, 64, 128, 256}.
+        beta: ``[B, T, H]`` float32 or bfloat16.
+        write_idx: ``[B, T, H, W]`` int32 or int64, -1 (padding) or a slot in [0, S); W <= 64.
+        write_w: ``[B, T, H, W]`` float32 or bfloat16.
+        read_idx, read_w: ``[B, T, H, R]``, likewise; R <= 64.
+        bank: ``[B, H, S, D]``, or ``[H, S, D]`` shared by the batch; float32 or bfloat16.
+        decay: optional ``[B, T, H, W]`` in [0, 1], one decay per write entry.
+        chunk_size: tokens per chunk, one of 16, 32, 64, 128 (results agree to rounding).
+        snapshot: how pre-write rows are kept for the backward: "none", "bf16", "fp8", "int4".
+
+    Returns:
+        ``SDMOutput(out [B, T, H, D] in v's dtype, bank [B, H, S, D] in the bank's dtype)``.
+
+    Example::
+
+        >>> B, T, H, D, S, W, R = 2, 100, 4, 64, 4096, 8, 8
+        >>> v = torch.randn(B, T, H, D)
+        >>> beta = torch.rand(B, T, H)
+        >>> write_idx = torch.randint(0, S, (B, T, H, W))
+        >>> read_idx = torch.randint(0, S, (B, T, H, R))
+        >>> out, bank = sdm_ops.sparse_delta_memory(
+        ...     v, beta, write_idx, torch.rand(B, T, H, W), read_idx, torch.rand(B, T, H, R),
+        ...     torch.zeros(H, S, D))
+    """
+    _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
+                inplace=False)
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (v, beta, write_w, read_w, bank, decay)):
+        raise NotImplementedError("sparse_delta_memory: the backward is not implemented yet; "
+                                  "call it under torch.no_grad() or with inputs that do not "
+                                  "require grad")
+    v, beta, write_idx, write_w, read_idx, read_w, bank = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
+    decay = None if decay is None else decay.contiguous()
+    S, C = bank.shape[-2], chunk_size
+    prep, X, QX = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C)
+    _, _, gather_w, gather_r, scatter_w, row_decay, rank = prep
+    out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
+                                       scatter_w, row_decay, rank, X, QX, bank, snapshot)[:2]
+    return SDMOutput(out, bank_out)
+
+
+def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor,
+                         write_w: Tensor, read_idx: Tensor, read_w: Tensor,
+                         decay: Tensor | None = None, *, chunk_size: int = 64) -> Tensor:
+    """The recurrence of :func:`sparse_delta_memory`, updating ``bank`` in place; no autograd.
+
+    For inference and decoding: ``T`` may be 1, and a call makes no host synchronization once
+    its arguments are checked, so it captures in a CUDA graph. ``bank`` is ``[B, H, S, D]``
+    and contiguous. Sequences shorter than ``chunk_size`` run in one chunk of the smallest
+    allowed size that holds them (16 for a decode step). Returns ``out [B, T, H, D]``.
+
+    Example::
+
+        >>> bank = torch.zeros(B, H, S, D)
+        >>> out = sdm_ops.sparse_delta_memory_(bank, v[:, :1], beta[:, :1], write_idx[:, :1],
+        ...                                    write_w[:, :1], read_idx[:, :1], read_w[:, :1])
+    """
+    _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, "none",
+                inplace=True)
+    if not bank.is_contiguous():
+        raise ValueError("bank must be contiguous to be updated in place")
+    v, beta, write_idx, write_w, read_idx, read_w = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
+    decay = None if decay is None else decay.contiguous()
+    T = v.shape[1]
+    C = next(c for c in CHUNK_SIZES if c >= min(T, chunk_size))
+    with torch.no_grad():
+        prep, X, QX = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
+                              bank.shape[-2], C)
+        _, _, gather_w, gather_r, scatter_w, row_decay, rank = prep
+        return ops.recurrence_fwd_(bank, v, beta, write_idx, read_idx, gather_w, gather_r,
+                                   scatter_w, row_decay, rank, X, QX)

@@ -1,0 +1,239 @@
+"""The forward of the recurrence: kernels (natively on CUDA, under the interpreter on CPU)
+against the float64 reference, the public functions' contracts, and determinism."""
+
+import pytest
+import torch
+
+import sdm_ops
+from sdm_ops import ops
+from sdm_ops import reference as ref
+from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
+                           requires_cuda, requires_kernels, to_float64)
+
+pytestmark = requires_kernels
+
+ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
+
+
+def _oracle(a, chunk_size=16):
+    a = to_float64(a)
+    return ref.sdm_token_reference(*(a.get(k) for k in ORDER)) if a["v"].shape[1] <= 40 and \
+        a["bank"].shape[-2] <= 64 else ref.sdm_chunked_reference(*(a.get(k) for k in ORDER),
+                                                                 chunk_size=chunk_size)
+
+
+def _run(a, **kw):
+    with on_kernels(), torch.no_grad():
+        return sdm_ops.sparse_delta_memory(**a, **kw)
+
+
+def _inputs(**kw):
+    return make_sdm_inputs(device=KERNEL_DEVICE, **kw)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+@pytest.mark.parametrize("decay", [True, False])
+def test_kernels_match_float64_reference_with_padding_duplicates_and_partial_chunks(chunk_size, decay):
+    a = _inputs(T=37, decay=decay, seed=chunk_size + decay)
+    out, bank = _run(a, chunk_size=chunk_size)
+    out_r, bank_r = _oracle(a)
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(bank, bank_r, rtol=1e-5, name="bank")
+
+
+def test_kernels_match_reference_shared_bank_int32_indices_and_wide_rows():
+    a = _inputs(T=20, D=32, S=9, W=5, R=3, shared=True, index_dtype=torch.int32, seed=5)
+    out, bank = _run(a, chunk_size=16)
+    out_r, bank_r = _oracle(a)
+    assert bank.shape == (2, 2, 9, 32)
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(bank, bank_r, rtol=1e-5, name="bank")
+
+
+def test_decays_of_exactly_zero_and_one_everywhere():
+    a = _inputs(T=18, seed=6, zero_decay=0.5, one_decay=0.5)
+    assert ((a["decay"] == 0) | (a["decay"] == 1)).all()
+    out, bank = _run(a)
+    out_r, bank_r = _oracle(a)
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(bank, bank_r, rtol=1e-5, name="bank")
+
+
+def test_every_entry_on_one_slot_serializes_the_writes():
+    a = _inputs(T=20, S=1, W=3, R=2, seed=8, padding=0.0)
+    out, bank = _run(a)
+    out_r, bank_r = _oracle(a)
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(bank, bank_r, rtol=1e-5, name="bank")
+
+
+def test_no_write_or_no_read_entries():
+    for W, R in ((0, 2), (2, 0)):
+        a = _inputs(T=17, W=W, R=R, seed=9)
+        out, bank = _run(a)
+        out_r, bank_r = _oracle(a)
+        assert_close(out, out_r, rtol=1e-5, name=f"out W={W} R={R}")
+        assert_close(bank, bank_r, rtol=1e-5, name=f"bank W={W} R={R}")
+
+
+def test_every_chunk_size_gives_the_same_result_to_rounding():
+    a = _inputs(B=1, T=40, S=40, seed=10)
+    base = _run(a, chunk_size=16)
+    for c in (32, 64, 128):
+        out, bank = _run(a, chunk_size=c)
+        assert_close(out, base.out, rtol=1e-5, name=f"out C={c}")
+        assert_close(bank, base.bank, rtol=1e-5, name=f"bank C={c}")
+
+
+def test_bfloat16_values_and_bank_stay_within_bfloat16_rounding():
+    a = _inputs(T=33, dtype=torch.bfloat16, bank_dtype=torch.bfloat16, seed=12)
+    out, bank = _run(a)
+    assert out.dtype == torch.bfloat16 and bank.dtype == torch.bfloat16
+    out_r, bank_r = _oracle(a)
+    # The bank is rounded to bfloat16 after every chunk's writes: a few units of 2^-8.
+    assert_close(out, out_r, rtol=3e-2, name="out")
+    assert_close(bank, bank_r, rtol=3e-2, name="bank")
+
+
+def test_empty_sequence_copies_the_bank():
+    a = _inputs(T=0, shared=True)
+    out, bank = _run(a)
+    assert out.shape == (2, 0, 2, 16)
+    assert torch.equal(bank, a["bank"].expand(2, *a["bank"].shape))
+
+
+def test_input_bank_is_never_modified():
+    a = _inputs(T=20, seed=13)
+    before = a["bank"].clone()
+    _run(a)
+    assert torch.equal(a["bank"], before)
+
+
+def test_in_place_update_equals_functional_result():
+    a = _inputs(T=21, seed=14)
+    out, bank = _run(a, chunk_size=32)
+    b = {k: v for k, v in a.items() if k != "bank"}
+    state = a["bank"].clone()
+    with on_kernels():
+        out2 = sdm_ops.sparse_delta_memory_(state, **b, chunk_size=32)
+    assert_close(out2, out, rtol=1e-6, name="out")
+    assert_close(state, bank, rtol=1e-6, name="bank")
+
+
+def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
+    a = _inputs(B=1, T=6, seed=15)
+    out, bank = _run(a)
+    state = a["bank"].clone()
+    outs = []
+    with on_kernels():
+        for t in range(6):
+            step = {k: v[:, t:t + 1] for k, v in a.items() if k != "bank"}
+            outs.append(sdm_ops.sparse_delta_memory_(state, **step))
+    assert_close(torch.cat(outs, 1), out, rtol=1e-5, name="out")
+    assert_close(state, bank, rtol=1e-5, name="bank")
+
+
+@pytest.mark.parametrize("mode", ["none", "bf16", "fp8", "int4"])
+def test_snapshot_holds_the_pre_write_rows_within_its_mode_error(mode):
+    a = _inputs(T=20, D=32, seed=16)
+    S, C = a["bank"].shape[-2], 16
+    with on_kernels(), torch.no_grad():
+        prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
+                                 a["decay"], S, C)
+        betas = sdm_ops.recurrence._chunk_betas(a["beta"], C)
+        X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
+        res = ops.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"], *prep[2:],
+                                 X.view(prep[0].shape), QX.view(prep[0].shape), a["bank"], mode)
+    snap, scale = res[2], res[3]
+    # The exact pre-write rows, from the reference's phase 2 run on the same phase-1 output.
+    p64 = ref.Prepared(*(x.cpu().double() if x.is_floating_point() else x.cpu() for x in prep))
+    rows = ref.recurrence_fwd_reference(a["v"].cpu().double(), a["beta"].cpu().double(),
+                                        a["write_idx"].cpu(), a["read_idx"].cpu(), p64,
+                                        X.view(prep[0].shape).cpu().double(),
+                                        QX.view(prep[0].shape).cpu().double(),
+                                        a["bank"].cpu().double())[2]
+    back = ref.dequantize_rows(snap.cpu(), scale.cpu(), mode).double()
+    # bf16: one unit of the last place (the interpreter truncates, CUDA rounds to nearest).
+    bound = {"none": 1e-6, "bf16": 2.0 ** -7, "fp8": 2.0 ** -4 + 1e-3, "int4": 1 / 14 + 1e-3}[mode]
+    amax = rows.abs().amax(-1, keepdim=True)
+    err = ((back - rows).abs() / amax.clamp(min=1e-30)).max().item()
+    assert err <= bound, f"snapshot {mode}: max error {err:.3e} of the row's amax > {bound:.3e}"
+
+
+def test_out_of_range_indices_are_rejected_in_eager_mode():
+    a = _inputs(T=5)
+    for name, bad in (("write_idx", 11), ("read_idx", -2)):
+        b = dict(a)
+        b[name] = a[name].clone()
+        b[name][1, 2, 0, 0] = bad
+        with pytest.raises(ValueError, match=name):
+            _run(b)
+
+
+def test_kernels_mask_out_of_range_indices_as_padding():
+    """The operators (what compiled and captured code runs) never touch rows outside [0, S):
+    an out-of-range index behaves exactly like -1."""
+    a = _inputs(T=19, seed=17)
+    S, C = a["bank"].shape[-2], 16
+    clean = {k: v.clone() for k, v in a.items()}
+    for name, bad in (("write_idx", S), ("write_idx", -7), ("read_idx", 10 ** 6)):
+        a[name][0, 3, 1, 0] = bad
+        clean[name][0, 3, 1, 0] = -1
+
+    def run_ops(x):
+        with on_kernels(), torch.no_grad():
+            prep = ops.chunk_prepare(x["write_idx"], x["write_w"], x["read_idx"], x["read_w"],
+                                     x["decay"], S, C)
+            betas = sdm_ops.recurrence._chunk_betas(x["beta"], C)
+            X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
+            return ops.recurrence_fwd(x["v"], x["beta"], x["write_idx"], x["read_idx"], *prep[2:],
+                                      X.view(prep[0].shape), QX.view(prep[0].shape), x["bank"],
+                                      "none")[:2]
+
+    bank = a["bank"].clone()
+    out, new_bank = run_ops(a)
+    out_c, bank_c = run_ops(clean)
+    assert torch.equal(out, out_c) and torch.equal(new_bank, bank_c)
+    assert torch.equal(a["bank"], bank)
+
+
+@requires_cuda
+def test_large_shapes_match_reference_on_cuda():
+    a = make_sdm_inputs(B=2, T=300, H=4, D=64, S=4096, W=8, R=8, device="cuda", seed=18)
+    out, bank = _run(a, chunk_size=64)
+    out_r, bank_r = _oracle(a, chunk_size=64)
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(bank, bank_r, rtol=1e-5, name="bank")
+
+
+@requires_cuda
+@pytest.mark.parametrize("chunk_size", [64, 128])
+def test_forward_is_bitwise_deterministic_on_cuda(chunk_size):
+    a = make_sdm_inputs(B=4, T=1000, H=4, D=64, S=512, W=8, R=8, device="cuda", seed=19)
+    first = _run(a, chunk_size=chunk_size)
+    second = _run(a, chunk_size=chunk_size)
+    assert torch.equal(first.out, second.out) and torch.equal(first.bank, second.bank)
+
+
+@requires_cuda
+def test_bank_of_more_than_2_pow_31_elements_on_cuda():
+    """64-bit bank offsets: a [1, 2, 2^20 + 7, 1024 ...] bank is too large for a test; use
+    B * H * S * D = 2 * 4 * 2^20 * 256 = 2^31 elements plus one stream's worth."""
+    B, H, S, D, T = 1, 9, 2 ** 20, 256, 20
+    g = torch.Generator(device="cuda").manual_seed(20)
+    bank = torch.randn(B, H, S, D, device="cuda", generator=g)
+    a = make_sdm_inputs(B=B, T=T, H=H, D=D, S=S, W=4, R=4, device="cuda", seed=20)
+    a["bank"] = bank
+    # Steer the last stream to the highest slots, past element 2^31.
+    a["write_idx"][:, :, -1] = S - 1 - a["write_idx"][:, :, -1].clamp(min=0) % 8
+    a["read_idx"][:, :, -1] = S - 1 - a["read_idx"][:, :, -1].clamp(min=0) % 8
+    out, new_bank = _run(a)
+    slots = torch.arange(S - 8, S, device="cuda")
+    small = dict(a, bank=bank[:, -1:, S - 8:].clone())
+    for k in ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay"):
+        small[k] = a[k][:, :, -1:].clone()
+    small["write_idx"] = small["write_idx"] - (S - 8)
+    small["read_idx"] = small["read_idx"] - (S - 8)
+    out_r, bank_r = _oracle(small)
+    assert_close(out[:, :, -1:], out_r, rtol=1e-5, name="out of the last stream")
+    assert_close(new_bank[:, -1:, slots], bank_r, rtol=1e-5, name="its rows")
