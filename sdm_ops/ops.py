@@ -152,23 +152,23 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                    gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
                    rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor, snapshot: str
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Phase 2: (out, bank_out, snap, snap_scale, u, delta) from the initial ``bank``
+    """Phase 2: (out, bank_out, snap, snap_scale, res, delta) from the initial ``bank``
     ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``."""
     if use_kernels(v):
         from .kernels import recurrence_fwd as k
-        out, _, snap, snap_scale, u, delta = recurrence_meta.recurrence_fwd_fake(
+        out, _, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
             v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, X, QX,
             bank, snapshot)
         B, H = v.shape[0], v.shape[2]
         bank_out = bank.expand(B, H, *bank.shape[-2:]).clone(memory_format=torch.contiguous_format)
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                         rank, X, QX, bank_out, out, u, delta, snap, snap_scale, snapshot)
-        return out, bank_out, snap, snap_scale, u, delta
+                         rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot)
+        return out, bank_out, snap, snap_scale, res, delta
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank)
     res = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank, snapshot)
-    out, bank_out, snap, snap_scale, u, delta = res
+    out, bank_out, snap, snap_scale, resid, delta = res
     return (out.to(v.dtype).contiguous(), bank_out.to(bank.dtype).contiguous(), snap.contiguous(),
-            snap_scale.contiguous(), u.contiguous(), delta.contiguous())
+            snap_scale.contiguous(), resid.contiguous(), delta.contiguous())
 
 
 @triton_op("sdm::recurrence_fwd_", mutates_args=("bank",))
@@ -180,10 +180,10 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
     if use_kernels(v):
         from .kernels import recurrence_fwd as k
         out = v.new_empty(v.shape)
-        u = v.new_empty(v.shape, dtype=torch.float32)
+        res = v.new_empty(v.shape, dtype=torch.float32)
         delta = v.new_empty(v.shape, dtype=torch.float32)
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                         rank, X, QX, bank, out, u, delta, None, None, None)
+                         rank, X, QX, bank, out, res, delta, None, None, None)
         return out
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank)
     out, bank_out = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX,

@@ -389,10 +389,10 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
     """Phase 2 (gathers, dual matmul, decay and write) for all chunks, given phase 1 and the
     WY solve (X, QX: [B, H, N, C, C]).
 
-    Returns (out [B, T, H, D], bank [B, H, S, D], snap, snap_scale, u [B, T, H, D], delta
+    Returns (out [B, T, H, D], bank [B, H, S, D], snap, snap_scale, res [B, T, H, D], delta
     [B, T, H, D]) where snap holds the pre-write bank rows of every write entry, [B, T, H, W, D]
-    (zeros for padding), quantized by :func:`quantize_rows`; u = beta (v - retrieved) and
-    delta = X u. out, u, delta and the bank are in the compute dtype.
+    (zeros for padding), quantized by :func:`quantize_rows`; res = v - retrieved and
+    delta = X (beta res). out, res, delta and the bank are in the compute dtype.
     """
     cd = compute_dtype(v, bank, prep.gather_w)
     B, T, H, D = v.shape
@@ -408,7 +408,7 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
     first = _chunked(to_streams(prep.rank), C, 1) == 0
     N = vs.shape[0] // P if P else 0
     Xs, QXs = X.reshape(P, N, C, C), QX.reshape(P, N, C, C)
-    outs, snaps, us, deltas = [], [], [], []
+    outs, snaps, resids, deltas = [], [], [], []
     for n in range(N):
         c = torch.arange(P, device=v.device) * N + n
         sl, rsl = slot[c], rslot[c]
@@ -416,11 +416,12 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         rrows = _gather_rows(M, rsl.reshape(P, -1)).reshape(P, C, -1, D)
         retrieved = (gw[c][..., None] * wrows).sum(2)
         inter = (gr[c][..., None] * rrows).sum(2)
-        u = bs[c][..., None] * (vs[c] - retrieved)
+        resid = vs[c] - retrieved
+        u = bs[c][..., None] * resid
         delta = Xs[:, n] @ u
         outs.append(inter + QXs[:, n] @ u)
         snaps.append(wrows)
-        us.append(u)
+        resids.append(resid)
         deltas.append(delta)
         # Decay and write: the first entry on a slot also moves its row by (Gamma_C - 1) M_0.
         add = sw[c][..., None] * delta[:, :, None, :]
@@ -440,7 +441,7 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
     snap, snap_scale = quantize_rows(rows.to(torch.float32) if snapshot != "none" else rows, snapshot)
     if snapshot == "none":
         snap = snap.to(bank.dtype if cd == torch.float32 else cd)
-    return (tokens(outs, D), M.reshape(B, H, S, D), snap, snap_scale, tokens(us, D),
+    return (tokens(outs, D), M.reshape(B, H, S, D), snap, snap_scale, tokens(resids, D),
             tokens(deltas, D))
 
 
@@ -464,3 +465,81 @@ def sdm_chunked_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, d
     X, QX = X.reshape(B, H, N, C, C), QX.reshape(B, H, N, C, C)
     out, M = recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank)[:2]
     return out, M
+
+
+def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank_out,
+                             snap, snap_scale, snapshot: str, res, delta, dout, dbank_out):
+    """Backward of :func:`recurrence_fwd_reference`, walking the chunks in reverse.
+
+    ``bank_out`` is the final bank; each chunk's written rows are restored from ``snap``
+    (dequantized) before its gathers are replayed, so the bank rows seen are the forward's up to
+    the snapshot's rounding. ``res = v - retrieved`` and ``delta`` are the forward's.
+    Returns (dv, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D]).
+    drow_decay is non-zero only on the first entry of each slot (the one the forward reads).
+    """
+    cd = compute_dtype(v, bank_out, prep.gather_w)
+    B, T, H, D = v.shape
+    S = bank_out.shape[-2]
+    P = B * H
+    C = X.shape[-1]
+    M = bank_out.to(cd).reshape(P, S, D).clone()
+    dM = (torch.zeros_like(M) if dbank_out is None else dbank_out.to(cd).reshape(P, S, D).clone())
+    dout = torch.zeros(B, T, H, D, dtype=cd, device=v.device) if dout is None else dout.to(cd)
+    rows = dequantize_rows(snap, snap_scale, snapshot).to(cd) if snapshot != "none" else snap.to(cd)
+
+    def chunks(x, fill):
+        return _chunked(to_streams(x), C, fill)
+
+    slot = chunks(_entries(write_idx, write_idx, S)[0], -1)
+    rslot = chunks(_entries(read_idx, read_idx, S)[0], -1)
+    gw, sw, rd = chunks(prep.gather_w.to(cd), 0), chunks(prep.scatter_w.to(cd), 0), chunks(prep.row_decay.to(cd), 1)
+    gr = chunks(prep.gather_r.to(cd), 0)
+    first = (chunks(prep.rank, 1) == 0) & (slot >= 0)
+    bs, rs, dl, do = chunks(beta.to(cd), 0), chunks(res.to(cd), 0), chunks(delta.to(cd), 0), chunks(dout, 0)
+    snaps = chunks(rows, 0)
+    N = bs.shape[0] // P if P else 0
+    Xs, QXs = X.to(cd).reshape(P, N, C, C), QX.to(cd).reshape(P, N, C, C)
+    parts = {k: [None] * N for k in ("dv", "dbeta", "dgw", "dgr", "dsw", "drd", "dX", "dQX")}
+    for n in reversed(range(N)):
+        c = torch.arange(P, device=v.device) * N + n
+        sl, rsl, fr = slot[c], rslot[c], first[c]
+        flat = sl.reshape(P, -1)
+        # Restore the rows this chunk wrote: M becomes the chunk's start state.
+        keep = fr.reshape(P, -1)
+        idx = torch.where(keep, flat, S)          # row S: a scratch row that is dropped
+        Mx = torch.cat([M, M.new_zeros(P, 1, D)], 1)
+        Mx = Mx.scatter(1, idx[..., None].expand(P, idx.shape[1], D), snaps[c].reshape(P, -1, D))
+        M = Mx[:, :S]
+        wrows = _gather_rows(M, flat).reshape(P, C, -1, D)
+        rrows = _gather_rows(M, rsl.reshape(P, -1)).reshape(P, C, -1, D)
+        dm1 = _gather_rows(dM, flat).reshape(P, C, -1, D)
+        ddelta = (sw[c][..., None] * dm1).sum(2)
+        parts["dsw"][n] = (dm1 * dl[c][:, :, None, :]).sum(-1)
+        parts["drd"][n] = torch.where(fr, (dm1 * wrows).sum(-1), 0)
+        u = bs[c][..., None] * rs[c]
+        du = Xs[:, n].transpose(1, 2) @ ddelta + QXs[:, n].transpose(1, 2) @ do[c]
+        parts["dX"][n] = ddelta @ u.transpose(1, 2)
+        parts["dQX"][n] = do[c] @ u.transpose(1, 2)
+        parts["dv"][n] = bs[c][..., None] * du
+        parts["dbeta"][n] = (du * rs[c]).sum(-1)
+        dret = -bs[c][..., None] * du
+        parts["dgw"][n] = (dret[:, :, None, :] * wrows).sum(-1)
+        parts["dgr"][n] = (do[c][:, :, None, :] * rrows).sum(-1)
+        add = torch.where(fr[..., None], (rd[c][..., None] - 1) * dm1, 0) + gw[c][..., None] * dret[:, :, None, :]
+        add = torch.where((flat >= 0)[..., None], add.reshape(P, -1, D), 0)
+        dM = dM.scatter_add(1, flat.clamp(min=0)[..., None].expand(*flat.shape, D), add)
+        rflat = rsl.reshape(P, -1)
+        radd = torch.where((rflat >= 0)[..., None], (gr[c][..., None] * do[c][:, :, None, :]).reshape(P, -1, D), 0)
+        dM = dM.scatter_add(1, rflat.clamp(min=0)[..., None].expand(*rflat.shape, D), radd)
+
+    def tokens(name, *shape):
+        if N == 0:
+            return v.new_zeros(B, T, H, *shape, dtype=cd)
+        x = torch.stack(parts[name], 1).reshape(P * N, C, *shape)
+        return from_streams(_unchunked(x, P, T), B, H)
+
+    W, R = write_idx.shape[-1], read_idx.shape[-1]
+    chunk = lambda name: (torch.stack(parts[name], 1).reshape(B, H, N, C, C) if N
+                          else v.new_zeros(B, H, 0, C, C, dtype=cd))
+    return (tokens("dv", D), tokens("dbeta"), tokens("dgw", W), tokens("dgr", R), tokens("dsw", W),
+            tokens("drd", W), chunk("dX"), chunk("dQX"), dM.reshape(B, H, S, D))

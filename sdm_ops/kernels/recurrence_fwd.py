@@ -10,7 +10,7 @@ with start state M (the bank, updated in place):
 The bank's D columns are independent, so a program owns one stream and BD = 16 columns and
 walks every chunk of the stream in order: the number of launches does not grow with T.
 Per chunk it (1) gathers the write and read rows of TB tokens at a time, stores the pre-write
-rows as the snapshot, u, and inter (to a per-program scratch); (2) after a barrier, computes
+rows as the snapshot, res = v - retrieved, and inter (to a per-program scratch); (2) after a barrier, computes
 delta and out with full-float32 dots (X rows in blocks of 32); (3) after a barrier, writes:
 the first entry on each slot (rank 0) stores row_decay * M0 + its term, then entries of rank
 1, 2, ... add their terms in passes separated by barriers, so every bank row has one writer at
@@ -18,7 +18,7 @@ a time and the sum runs in entry order: bitwise deterministic.
 
 Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
-X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; u, delta [B, T, H, D]
+X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; res, delta [B, T, H, D]
 float32; scratch [B * H, C, D] float32; snapshot rows [B, T, H, W, D] (none: bank dtype,
 bf16: bfloat16, fp8: float8_e4m3fn) or [B, T, H, W, D / 2] uint8 (int4), with scales
 [B, T, H, W, D / 16] float32 for fp8 and int4 (one per 16 columns, see
@@ -97,7 +97,7 @@ def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
 @triton.jit
 def _recurrence_fwd_kernel(
     v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-    X, QX, bank, out, u, delta, scratch, snap, snap_scale,
+    X, QX, bank, out, res, delta, scratch, snap, snap_scale,
     T, H, S,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
@@ -116,7 +116,7 @@ def _recurrence_fwd_kernel(
     for n in range(0, N):
         t0 = n * C
         npass = 1
-        # (1) Gathers: retrieved, inter, u, snapshot.
+        # (1) Gathers: retrieved, inter, res = v - retrieved, snapshot.
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
             tok_ok = (t0 + ii) < T
@@ -143,16 +143,16 @@ def _recurrence_fwd_kernel(
             inter = tl.sum(gq[:, :, None] * qrows, 1)
             vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                          other=0.0).to(tl.float32)
-            bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
-            uu = bb[:, None] * (vv - retrieved)
-            tl.store(u + tok[:, None] * D + cols[None, :], uu, mask=tok_ok[:, None])
+            tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None])
             tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
         tl.debug_barrier()
         # (2) Dual matmul: delta = X u, out = inter + QX u.
         ci = tl.arange(0, C)
         tok_c = (b.to(tl.int64) * T + t0 + ci) * H + h
         ok_c = (t0 + ci) < T
-        uu = tl.load(u + tok_c[:, None] * D + cols[None, :], mask=ok_c[:, None], other=0.0)
+        bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
+        uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :], mask=ok_c[:, None],
+                                   other=0.0)
         x_base = ((b.to(tl.int64) * H + h) * N + n) * C * C
         for rb in range(0, C, RB):
             ri = rb + tl.arange(0, RB)
@@ -200,7 +200,7 @@ def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
 
 
 def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                   rank, X, QX, bank, out, u, delta, snap, snap_scale, snapshot: str | None) -> None:
+                   rank, X, QX, bank, out, res, delta, snap, snap_scale, snapshot: str | None) -> None:
     """Launch phase 2 over every chunk; ``bank`` is updated in place. ``snapshot`` None skips
     the snapshot (in-place inference). See the module docstring for the operands."""
     B, T, H, D = v.shape
@@ -214,7 +214,7 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
     mode = SNAP_CODES["none" if snapshot is None else snapshot]
     wrap_triton(_recurrence_fwd_kernel)[(B * H, D // BLOCK_D)](
         v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-        X, QX, bank, out, u, delta, scratch,
+        X, QX, bank, out, res, delta, scratch,
         bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
         T, H, S,
         D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
