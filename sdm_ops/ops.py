@@ -133,8 +133,8 @@ product_key_topk.register_autograd(_topk_grad, setup_context=_topk_setup)
 @triton_op("sdm::chunk_prepare", mutates_args=())
 def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
                   decay: Tensor | None, bank_rows: int, chunk_size: int
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Phase 1: (A, QK, gather_w, gather_r, scatter_w, row_decay, rank); see
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Phase 1: (A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank); see
     ``kernels/chunk_prepare.py`` for the math and layouts."""
     if use_kernels(write_idx):
         from .kernels import chunk_prepare as k
@@ -164,7 +164,7 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                          rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot)
         return out, bank_out, snap, snap_scale, res, delta
-    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank)
+    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     res = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank, snapshot)
     out, bank_out, snap, snap_scale, resid, delta = res
     return (out.to(v.dtype).contiguous(), bank_out.to(bank.dtype).contiguous(), snap.contiguous(),
@@ -185,7 +185,7 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                          rank, X, QX, bank, out, res, delta, None, None, None)
         return out
-    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank)
+    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     out, bank_out = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX,
                                                        bank)[:2]
     bank.copy_(bank_out)

@@ -147,7 +147,7 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     decay = None if decay is None else decay.contiguous()
     S, C = bank.shape[-2], chunk_size
     prep, X, QX = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C)
-    _, _, gather_w, gather_r, scatter_w, row_decay, rank = prep
+    _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
     out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
                                        scatter_w, row_decay, rank, X, QX, bank, snapshot)[:2]
     return SDMOutput(out, bank_out)
@@ -181,6 +181,6 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
     with torch.no_grad():
         prep, X, QX = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
                               bank.shape[-2], C)
-        _, _, gather_w, gather_r, scatter_w, row_decay, rank = prep
+        _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
         return ops.recurrence_fwd_(bank, v, beta, write_idx, read_idx, gather_w, gather_r,
                                    scatter_w, row_decay, rank, X, QX)

@@ -216,6 +216,7 @@ class ChunkWeights(NamedTuple):
     scatter_w: [P, C, W], write weight times the decay after its token to the chunk end;
     row_decay: [P, C, W], the whole chunk's decay product on the entry's slot;
     rank: [P, C, W] int64, how many earlier (token-major) entries of the chunk share the slot;
+    read_rank: [P, C, R] int64, the same among the read entries;
     slot / rslot: [P, C, W] / [P, C, R] int64 slots, -1 for padding.
     """
     A: Tensor
@@ -225,6 +226,7 @@ class ChunkWeights(NamedTuple):
     scatter_w: Tensor
     row_decay: Tensor
     rank: Tensor
+    read_rank: Tensor
     slot: Tensor
     rslot: Tensor
 
@@ -267,9 +269,12 @@ def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkW
     QK = torch.tril(rpair.reshape(P, C, R, C, W).sum((2, 4)))
     earlier = torch.arange(E, device=slot.device)
     rank = (same & (earlier[None, None, :] < earlier[None, :, None])).sum(-1)
+    rearlier = torch.arange(Er, device=slot.device)
+    rr = (s_r[:, :, None] == s_r[:, None, :]) & ok_r[:, :, None] & ok_r[:, None, :]
+    read_rank = (rr & (rearlier[None, None, :] < rearlier[None, :, None])).sum(-1)
     return ChunkWeights(A, QK, gather_w.reshape(P, C, W), gather_r.reshape(P, C, R),
                         scatter_w.reshape(P, C, W), row_decay.reshape(P, C, W),
-                        rank.reshape(P, C, W), slot, rslot)
+                        rank.reshape(P, C, W), read_rank.reshape(P, C, R), slot, rslot)
 
 
 def _gather_rows(M: Tensor, slot: Tensor) -> Tensor:
@@ -288,8 +293,8 @@ class Prepared(NamedTuple):
     """Phase-1 outputs for every chunk (the ``sdm::chunk_prepare`` operator's contract).
 
     A, QK: [B, H, N, C, C] (N = ceil(T / C) chunks); gather_w, scatter_w, row_decay: [B, T, H, W];
-    gather_r: [B, T, H, R]; all float (compute dtype). rank: [B, T, H, W] int32 (see ChunkWeights).
-    Entries that are padding have zero weights, decay 1 and rank 0.
+    gather_r: [B, T, H, R]; all float (compute dtype). rank [B, T, H, W] and read_rank
+    [B, T, H, R]: int32 (see ChunkWeights). Padding entries have weight 0, decay 1 and rank 0.
     """
     A: Tensor
     QK: Tensor
@@ -298,6 +303,7 @@ class Prepared(NamedTuple):
     scatter_w: Tensor
     row_decay: Tensor
     rank: Tensor
+    read_rank: Tensor
 
 
 def _chunked(x: Tensor, c: int, fill) -> Tensor:
@@ -335,15 +341,18 @@ def chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_ro
     if cw is None:   # T == 0 (or no streams)
         z = torch.zeros(B, H, 0, C, C, dtype=cd, device=write_idx.device)
         e = write_w.new_zeros(B, T, H, W, dtype=cd)
-        return Prepared(z, z.clone(), e, read_w.new_zeros(B, T, H, read_idx.shape[-1], dtype=cd),
-                        e.clone(), e + 1, torch.zeros(B, T, H, W, dtype=torch.int32, device=e.device))
+        R = read_idx.shape[-1]
+        return Prepared(z, z.clone(), e, read_w.new_zeros(B, T, H, R, dtype=cd),
+                        e.clone(), e + 1, torch.zeros(B, T, H, W, dtype=torch.int32, device=e.device),
+                        torch.zeros(B, T, H, R, dtype=torch.int32, device=e.device))
 
     def entries(x):
         return from_streams(_unchunked(x, P, T), B, H)
 
     return Prepared(cw.A.reshape(B, H, N, C, C), cw.QK.reshape(B, H, N, C, C),
                     entries(cw.gather_w), entries(cw.gather_r), entries(cw.scatter_w),
-                    entries(cw.row_decay), entries(cw.rank).to(torch.int32))
+                    entries(cw.row_decay), entries(cw.rank).to(torch.int32),
+                    entries(cw.read_rank).to(torch.int32))
 
 
 def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ with ``d_t[s]`` the product of token t's decays on slot s and ``Gamma_{i/j}[s]``
     scatter_w[b] = w_b * Gamma_{C/j}[s_b]
     row_decay[b] = prod_{t < C} d_t[s_b]
     rank[b]      = number of entries of the chunk before b (token-major) on the same slot
+    read_rank[r] = the same among the chunk's read entries
 
 Every product is formed by multiplication in token order, never by division, so a decay of 0 is
 exact. An entry is padding when its index is outside ``[0, S)`` (``-1`` by contract, anything
@@ -20,7 +21,7 @@ else out of range is masked the same way): weight 0, decay 1, no match.
 Layout: write_idx, write_w, decay [B, T, H, W]; read_idx, read_w [B, T, H, R]; contiguous, any
 int index dtype. Outputs A, QK [B, H, N, C, C] float32 (every element written; zero outside
 the strict lower / lower triangle); gather_w, scatter_w, row_decay [B, T, H, W] float32;
-gather_r [B, T, H, R] float32; rank [B, T, H, W] int32.
+gather_r [B, T, H, R] float32; rank [B, T, H, W] and read_rank [B, T, H, R] int32.
 
 Grid: (N, B * H, C // BJ). A program owns BJ tokens ("own" entries: their W write and R read
 entries) of one chunk and walks the chunk's C tokens in order, matching each token's entries
@@ -53,7 +54,7 @@ def _prod(x, axis: tl.constexpr):
 @triton.jit
 def _chunk_prepare_kernel(
     write_idx, write_w, decay, read_idx, read_w,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
     T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr,
@@ -89,7 +90,9 @@ def _chunk_prepare_kernel(
     total = tl.full((BJ, WP), 1.0, tl.float32)   # prod_{t' <= t} d_t'
     rupto = tl.full((BJ, RP), 1.0, tl.float32)
     cnt = tl.zeros((BJ, WP), tl.int32)
+    rcnt = tl.zeros((BJ, RP), tl.int32)
     flat_b = jj[:, None] * WP + ow[None, :]
+    flat_r = jj[:, None] * RP + orr[None, :]
 
     a_base = ((b.to(tl.int64) * H + h) * tl.cdiv(T, C) + n) * C * C
     for t in range(0, C):
@@ -132,12 +135,15 @@ def _chunk_prepare_kernel(
         rhit = s_r[:, :, None] == s_t[None, None, :]                     # [BJ, RP, WP]
         rd = _prod(tl.where(rhit, d_t[None, None, :], 1.0), 2)
         rupto = tl.where(t > jj[:, None], rupto, rupto * rd)
+        rr = (s_r[:, :, None] == q_t[None, None, :]) & ((t * RP + orr)[None, None, :] < flat_r[:, :, None])
+        rcnt += tl.sum(rr.to(tl.int32), 2)
 
     tl.store(gather_w + w_off, w_b * upto, mask=w_ok)
     tl.store(scatter_w + w_off, w_b * since, mask=w_ok)
     tl.store(row_decay + w_off, total, mask=w_ok)
     tl.store(rank + w_off, tl.where(v_b, cnt, 0), mask=w_ok)
     tl.store(gather_r + r_off, w_r * rupto, mask=r_ok)
+    tl.store(read_rank + r_off, tl.where(v_r, rcnt, 0), mask=r_ok)
 
 
 def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
@@ -149,7 +155,7 @@ def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
 
 
 def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, chunk_size: int,
-                  A, QK, gather_w, gather_r, scatter_w, row_decay, rank) -> None:
+                  A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank) -> None:
     """Launch phase 1; see the module docstring for the operands (all contiguous)."""
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
@@ -160,7 +166,218 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
     wrap_triton(_chunk_prepare_kernel)[(N, B * H, C // bj)](
         write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
-        A, QK, gather_w, gather_r, scatter_w, row_decay, rank,
+        A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+        T, H, bank_rows,
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, HAS_DECAY=decay is not None,
+        num_warps=_NUM_WARPS)
+
+
+# ---------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------
+#
+# Gradients of phase 1 with respect to write_w, read_w and decay, given those of A, QK and
+# the four per-entry weights. For an own write entry e (token t_e, slot s), with d_t = d_t[s],
+# K(t) / Q(t) the write / read weights of token t on s, fwd(t) = prod d over (t_e, t] and
+# back(j) = prod d over (j, t_e - 1]:
+#
+#   dw_e = sum_{t > t_e} dA[t, t_e] fwd K + sum_{t >= t_e} dQK[t, t_e] fwd Q + dgw_e upto_e
+#          + dsw_e fwd(C-1) + d_{t_e} sum_{j < t_e} dA[t_e, j] K(j) back(j)
+#   dd_e = sum_{j < t_e} Z[j] K(j) back(j) + fwd(C-1) sum_{j < t_e} back(j) sum_{b in j} dsw_b w_b
+#          + prod_{t < t_e} d_t * (sum_{t >= t_e} fwd(t) (sum_{b in t} dgw_b w_b
+#                                                      + sum_{r in t} dgr_r w_r)
+#                                  + fwd(C-1) sum_{b on s} drd_b)
+#   with Z = fwdK dA + fwdQ dQK (fwdK[t] = fwd(t) K(t) for t >= t_e, else 0), and
+#   ddecay_e = dd_e * (the product of the other decays of token t_e on s).
+#
+# dd_e is the gradient with respect to the token's decay product on the slot: every product of
+# phase 1 that contains d_{t_e} is split around it into a prefix and a suffix, so nothing is
+# divided and decays of 0 are exact. For a read entry r (token i, slot s):
+#   dw_r = sum_{j <= i} dQK[i, j] K(j) prod d over (j, i] + dgr_r prod_{t <= i} d_t.
+#
+# Grid: (N, B * H, C // BJ); a program owns the write and read entries of BJ tokens, flattened
+# (E = BJ * WP write entries), walks the chunk forward once (building fwdK, fwdQ in registers),
+# forms Z with two full-float32 dots, and walks it backward once. One writer per output.
+
+
+@triton.jit
+def _chunk_prepare_bwd_kernel(
+    write_idx, write_w, decay, read_idx, read_w,
+    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+    d_write_w, d_decay, d_read_w,
+    T, H, S,
+    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
+    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr,
+):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    j0 = tl.program_id(2) * BJ
+    b = p // H
+    h = p % H
+    t0 = n * C
+    E: tl.constexpr = BJ * WP
+    ER: tl.constexpr = BJ * RP
+    e = tl.arange(0, E)
+    te = j0 + e // WP                         # own write entry's token (chunk-local)
+    we = e % WP
+    er = tl.arange(0, ER)
+    ti = j0 + er // RP                        # own read entry's token
+    wr = er % RP
+    ow = tl.arange(0, WP)
+    orr = tl.arange(0, RP)
+    cols = tl.arange(0, C)
+
+    def_ok = (t0 + te < T) & (we < W)
+    eo = ((b.to(tl.int64) * T + t0 + te) * H + h) * W + we
+    s_e = tl.load(write_idx + eo, mask=def_ok, other=-1).to(tl.int64)
+    ok_e = def_ok & (s_e >= 0) & (s_e < S)
+    s_e = tl.where(ok_e, s_e, -1)
+    w_e = tl.where(ok_e, tl.load(write_w + eo, mask=ok_e, other=0.0).to(tl.float32), 0.0)
+    rdef_ok = (t0 + ti < T) & (wr < R)
+    ro = ((b.to(tl.int64) * T + t0 + ti) * H + h) * R + wr
+    s_r = tl.load(read_idx + ro, mask=rdef_ok, other=-1).to(tl.int64)
+    ok_r = rdef_ok & (s_r >= 0) & (s_r < S)
+    s_r = tl.where(ok_r, s_r, -2)
+
+    a_base = ((b.to(tl.int64) * H + h) * tl.cdiv(T, C) + n) * C * C
+    # Forward walk.
+    fwd = tl.full((E,), 1.0, tl.float32)
+    ub = tl.full((E,), 1.0, tl.float32)       # prod_{t < t_e} d_t
+    d_self = tl.full((E,), 1.0, tl.float32)
+    others = tl.full((E,), 1.0, tl.float32)
+    g_acc = tl.zeros((E,), tl.float32)
+    rd_sum = tl.zeros((E,), tl.float32)
+    dw = tl.zeros((E,), tl.float32)
+    fwd_k = tl.zeros((E, C), tl.float32)
+    fwd_q = tl.zeros((E, C), tl.float32)
+    for t in range(0, C):
+        row_t = (b.to(tl.int64) * T + t0 + t) * H + h
+        m_t = ((t0 + t) < T) & (ow < W)
+        s_t = tl.load(write_idx + row_t * W + ow, mask=m_t, other=-1).to(tl.int64)
+        v_t = m_t & (s_t >= 0) & (s_t < S)
+        s_t = tl.where(v_t, s_t, -3)
+        w_t = tl.where(v_t, tl.load(write_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32), 0.0)
+        if HAS_DECAY:
+            d_t = tl.where(v_t, tl.load(decay + row_t * W + ow, mask=v_t, other=1.0).to(tl.float32), 1.0)
+        else:
+            d_t = tl.full((WP,), 1.0, tl.float32)
+        gw_t = tl.load(d_gather_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
+        rd_t = tl.load(d_row_decay + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
+        mr_t = ((t0 + t) < T) & (orr < R)
+        q_t = tl.load(read_idx + row_t * R + orr, mask=mr_t, other=-1).to(tl.int64)
+        vq_t = mr_t & (q_t >= 0) & (q_t < S)
+        q_t = tl.where(vq_t, q_t, -4)
+        wq_t = tl.where(vq_t, tl.load(read_w + row_t * R + orr, mask=vq_t, other=0.0).to(tl.float32), 0.0)
+        gr_t = tl.load(d_gather_r + row_t * R + orr, mask=vq_t, other=0.0).to(tl.float32)
+
+        hit = s_e[:, None] == s_t[None, :]                                # [E, WP]
+        dprod = _prod(tl.where(hit, d_t[None, :], 1.0), 1)
+        kk = tl.sum(tl.where(hit, w_t[None, :], 0.0), 1)
+        gs = tl.sum(tl.where(hit, (gw_t * w_t)[None, :], 0.0), 1)
+        rds = tl.sum(tl.where(hit, rd_t[None, :], 0.0), 1)
+        qhit = s_e[:, None] == q_t[None, :]                               # [E, RP]
+        qq = tl.sum(tl.where(qhit, wq_t[None, :], 0.0), 1)
+        rg = tl.sum(tl.where(qhit, (gr_t * wq_t)[None, :], 0.0), 1)
+        before = t < te
+        at = t == te
+        after = t > te
+        ub = tl.where(before, ub * dprod, ub)
+        fwd = tl.where(after, fwd * dprod, fwd)
+        d_self = tl.where(at, dprod, d_self)
+        not_me = at[:, None] & hit & (ow[None, :] != we[:, None])
+        others = tl.where(at, _prod(tl.where(not_me, d_t[None, :], 1.0), 1), others)
+        rd_sum += rds
+        col_a = tl.load(dA + a_base + t * C + te, mask=after, other=0.0)
+        col_q = tl.load(dQK + a_base + t * C + te, mask=t >= te, other=0.0)
+        dw += col_a * fwd * kk + col_q * fwd * qq
+        g_acc += tl.where(t >= te, fwd * (gs + rg), 0.0)
+        sel = (cols[None, :] == t) & (t >= te)[:, None]
+        fwd_k = tl.where(sel, (fwd * kk)[:, None], fwd_k)
+        fwd_q = tl.where(sel, (fwd * qq)[:, None], fwd_q)
+
+    own_gw = tl.load(d_gather_w + eo, mask=ok_e, other=0.0).to(tl.float32)
+    own_sw = tl.load(d_scatter_w + eo, mask=ok_e, other=0.0).to(tl.float32)
+    dw += own_gw * ub * d_self + own_sw * fwd
+    dd = ub * (g_acc + fwd * rd_sum)
+    tile = a_base + cols[:, None] * C + cols[None, :]
+    z = tl.dot(fwd_k, tl.load(dA + tile), input_precision="ieee")
+    z = tl.dot(fwd_q, tl.load(dQK + tile), z, input_precision="ieee")   # [E, C]
+
+    # Backward walk.
+    back = tl.full((E,), 1.0, tl.float32)
+    term = tl.zeros((E,), tl.float32)
+    ls = tl.zeros((E,), tl.float32)
+    row = tl.zeros((E,), tl.float32)
+    rback = tl.full((ER,), 1.0, tl.float32)
+    rupto = tl.full((ER,), 1.0, tl.float32)
+    rdw = tl.zeros((ER,), tl.float32)
+    for tt in range(0, C):
+        t = C - 1 - tt
+        row_t = (b.to(tl.int64) * T + t0 + t) * H + h
+        m_t = ((t0 + t) < T) & (ow < W)
+        s_t = tl.load(write_idx + row_t * W + ow, mask=m_t, other=-1).to(tl.int64)
+        v_t = m_t & (s_t >= 0) & (s_t < S)
+        s_t = tl.where(v_t, s_t, -3)
+        w_t = tl.where(v_t, tl.load(write_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32), 0.0)
+        if HAS_DECAY:
+            d_t = tl.where(v_t, tl.load(decay + row_t * W + ow, mask=v_t, other=1.0).to(tl.float32), 1.0)
+        else:
+            d_t = tl.full((WP,), 1.0, tl.float32)
+        sw_t = tl.load(d_scatter_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
+        hit = s_e[:, None] == s_t[None, :]
+        dprod = _prod(tl.where(hit, d_t[None, :], 1.0), 1)
+        kk = tl.sum(tl.where(hit, w_t[None, :], 0.0), 1)
+        gsw = tl.sum(tl.where(hit, (sw_t * w_t)[None, :], 0.0), 1)
+        before = t < te
+        zc = tl.sum(tl.where(cols[None, :] == t, z, 0.0), 1)
+        lw = kk * back
+        term += tl.where(before, zc * lw, 0.0)
+        ls += tl.where(before, gsw * back, 0.0)
+        row += tl.where(before, tl.load(dA + a_base + te * C + t, mask=before, other=0.0) * lw, 0.0)
+        back = tl.where(before, back * dprod, back)
+        # Own read entries.
+        rhit = s_r[:, None] == s_t[None, :]                               # [ER, WP]
+        rprod = _prod(tl.where(rhit, d_t[None, :], 1.0), 1)
+        rk = tl.sum(tl.where(rhit, w_t[None, :], 0.0), 1)
+        upto_r = t <= ti
+        qk_it = tl.load(dQK + a_base + ti * C + t, mask=upto_r & ok_r, other=0.0)
+        rdw += tl.where(upto_r, qk_it * rk * rback, 0.0)
+        rback = tl.where(upto_r, rback * rprod, rback)
+        rupto = tl.where(upto_r, rupto * rprod, rupto)
+
+    dw += d_self * row
+    dd += term + fwd * ls
+    tl.store(d_write_w + eo, tl.where(ok_e, dw, 0.0), mask=def_ok)
+    if HAS_DECAY:
+        tl.store(d_decay + eo, tl.where(ok_e, dd * others, 0.0), mask=def_ok)
+    own_gr = tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32)
+    tl.store(d_read_w + ro, tl.where(ok_r, rdw + own_gr * rupto, 0.0), mask=rdef_ok)
+
+
+def chunk_prepare_bwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
+    """(WP, RP, BJ): BJ tokens' entries per program, about 64 write entries and at least 16."""
+    wp = triton.next_power_of_2(max(W, 1))
+    rp = triton.next_power_of_2(max(R, 1))
+    bj = min(C, max(1, 64 // wp, triton.cdiv(16, min(wp, rp))))
+    return wp, rp, bj
+
+
+def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
+                      dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+                      d_write_w, d_decay, d_read_w) -> None:
+    """Launch the phase-1 backward (see above); dA, dQK [B, H, N, C, C] float32 and the
+    per-entry gradients float32, all contiguous; d_decay is ignored without decay."""
+    B, T, H, W = write_idx.shape
+    R = read_idx.shape[-1]
+    C = dA.shape[-1]
+    N = triton.cdiv(T, C)
+    if B * H * N == 0:
+        return
+    wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
+    wrap_triton(_chunk_prepare_bwd_kernel)[(N, B * H, C // bj)](
+        write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
+        dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+        d_write_w, d_write_w if d_decay is None else d_decay, d_read_w,
         T, H, bank_rows,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, HAS_DECAY=decay is not None,
         num_warps=_NUM_WARPS)

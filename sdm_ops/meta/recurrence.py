@@ -37,7 +37,9 @@ def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, c
     a = write_w.new_empty((B, H, N, C, C), dtype=wd)
     e = write_w.new_empty((B, T, H, W), dtype=wd)
     return (a, a.new_empty(a.shape), e, write_w.new_empty((B, T, H, R), dtype=wd),
-            e.new_empty(e.shape), e.new_empty(e.shape), write_idx.new_empty((B, T, H, W), dtype=torch.int32))
+            e.new_empty(e.shape), e.new_empty(e.shape),
+            write_idx.new_empty((B, T, H, W), dtype=torch.int32),
+            write_idx.new_empty((B, T, H, R), dtype=torch.int32))
 
 
 def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
