@@ -150,15 +150,16 @@ def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: 
 @triton_op("sdm::recurrence_fwd", mutates_args=())
 def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                    gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
-                   rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor, snapshot: str
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
+                   snapshot: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 2: (out, bank_out, snap, snap_scale, res, delta) from the initial ``bank``
-    ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``."""
+    ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``. ``read_rank`` is
+    not read here: it is an input so that the backward has it."""
     if use_kernels(v):
         from .kernels import recurrence_fwd as k
         out, _, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
-            v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, X, QX,
-            bank, snapshot)
+            v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
+            read_rank, X, QX, bank, snapshot)
         B, H = v.shape[0], v.shape[2]
         bank_out = bank.expand(B, H, *bank.shape[-2:]).clone(memory_format=torch.contiguous_format)
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
@@ -195,3 +196,128 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
 chunk_prepare.register_fake(recurrence_meta.chunk_prepare_fake)
 recurrence_fwd.register_fake(recurrence_meta.recurrence_fwd_fake)
 recurrence_fwd_.register_fake(recurrence_meta.recurrence_fwd_inplace_fake)
+
+# ---------------------------------------------------------------------------
+# The recurrence's backward: sdm::recurrence_bwd (phase 2), sdm::chunk_prepare_backward
+# ---------------------------------------------------------------------------
+
+
+def _no_double_backward(name: str) -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"sdm_ops: {name} does not support double backward (its backward "
+                           "is not differentiable); do not pass create_graph=True")
+
+
+@triton_op("sdm::recurrence_bwd", mutates_args=())
+def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
+                   gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
+                   read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
+                   bank_out: Tensor, snap: Tensor, snap_scale: Tensor, snapshot: str,
+                   dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward of ``sdm::recurrence_fwd``: (dv, dbeta, dgather_w, dgather_r, dscatter_w,
+    drow_decay, dX, dQX, dbank [B, H, S, D]); see ``kernels/recurrence_bwd.py``."""
+    if use_kernels(res):
+        from .kernels import recurrence_bwd as k
+        dv, dbeta, _, _, _, _, dX, dQX, _ = recurrence_meta.recurrence_bwd_fake(
+            beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+            X, QX, res, delta, bank_out, snap, snap_scale, snapshot, dout, dbank_out, v_dtype)
+        bank = bank_out.clone()
+        dbank = (torch.zeros(bank_out.shape, dtype=torch.float32, device=res.device)
+                 if dbank_out is None else dbank_out.to(torch.float32, copy=True))
+        dgw, dgr, dsw, drd = k.recurrence_bwd(
+            beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+            X, QX, res, delta, snap, snap_scale, snapshot, dout, bank, dbank, dv, dX, dQX, dbeta)
+        return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
+    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
+    B, T, H, D = res.shape
+    v_like = res.new_empty((B, T, H, D))
+    grads = reference.recurrence_bwd_reference(v_like, beta, write_idx, read_idx, prep, X, QX,
+                                               bank_out, snap, snap_scale, snapshot, res, delta,
+                                               dout, dbank_out)
+    dv, rest = grads[0].to(v_dtype), grads[1:]
+    return (dv.contiguous(),) + tuple(g.contiguous() for g in rest)
+
+
+def _recurrence_fwd_setup(ctx, inputs, output):
+    (v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+     X, QX, bank, snapshot) = inputs
+    _, bank_out, snap, snap_scale, res, delta = output
+    ctx.save_for_backward(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
+                          rank, read_rank, X, QX, res, delta, bank_out, snap, snap_scale)
+    ctx.snapshot = snapshot
+    ctx.v_dtype = v.dtype
+    ctx.bank_meta = (bank.dim(), bank.dtype)
+
+
+def _recurrence_fwd_grad(ctx, dout, dbank_out, *_):
+    _no_double_backward("sparse_delta_memory")
+    saved = ctx.saved_tensors
+    beta = saved[0]
+    g = torch.ops.sdm.recurrence_bwd(*saved[:16], ctx.snapshot,
+                                     None if dout is None else dout.contiguous(),
+                                     None if dbank_out is None else dbank_out.contiguous(),
+                                     ctx.v_dtype)
+    dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = g
+    dim, dtype = ctx.bank_meta
+    if dim == 3:
+        dbank = dbank.sum(0)
+    return (dv, dbeta.to(beta.dtype), None, None, dgw, dgr, dsw, drd, None, None, dX, dQX,
+            dbank.to(dtype), None)
+
+
+recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
+recurrence_fwd.register_autograd(_recurrence_fwd_grad, setup_context=_recurrence_fwd_setup)
+
+
+@triton_op("sdm::chunk_prepare_backward", mutates_args=())
+def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
+                           decay: Tensor | None, bank_rows: int, dA: Tensor, dQK: Tensor,
+                           d_gather_w: Tensor, d_gather_r: Tensor, d_scatter_w: Tensor,
+                           d_row_decay: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of ``sdm::chunk_prepare``: (d_write_w, d_read_w, d_decay), d_decay empty
+    without decay; see ``kernels/chunk_prepare.py``."""
+    if use_kernels(dA):
+        from .kernels import chunk_prepare as k
+        dww, drw, ddc = recurrence_meta.chunk_prepare_backward_fake(
+            write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w,
+            d_gather_r, d_scatter_w, d_row_decay)
+        k.chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
+                            d_gather_w, d_gather_r, d_scatter_w, d_row_decay, dww,
+                            None if decay is None else ddc, drw)
+        return dww, drw, ddc
+    dww, drw, ddc = reference.chunk_prepare_backward_reference(
+        write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w, d_gather_r,
+        d_scatter_w, d_row_decay)
+    ddc = write_w.new_empty(0, dtype=dww.dtype) if ddc is None else ddc
+    return dww.contiguous(), drw.contiguous(), ddc.contiguous()
+
+
+def _chunk_prepare_setup(ctx, inputs, output):
+    write_idx, write_w, read_idx, read_w, decay, bank_rows, _ = inputs
+    ctx.save_for_backward(write_idx, write_w, read_idx, read_w, decay)
+    ctx.bank_rows = bank_rows
+
+
+def _chunk_prepare_grad(ctx, dA, dQK, dgw, dgr, dsw, drd, *_):
+    _no_double_backward("sparse_delta_memory")
+    write_idx, write_w, read_idx, read_w, decay = ctx.saved_tensors
+    wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
+
+    def grad(g, like):
+        return torch.zeros(like, dtype=wd, device=write_w.device) if g is None else g.contiguous().to(wd)
+
+    B, T, H, W = write_idx.shape
+    R = read_idx.shape[-1]
+    N, C = dA.shape[2] if dA is not None else dQK.shape[2], (dA if dA is not None else dQK).shape[-1]
+    chunks = (B, H, N, C, C)
+    dww, drw, ddc = torch.ops.sdm.chunk_prepare_backward(
+        write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows, grad(dA, chunks),
+        grad(dQK, chunks), grad(dgw, (B, T, H, W)), grad(dgr, (B, T, H, R)),
+        grad(dsw, (B, T, H, W)), grad(drd, (B, T, H, W)))
+    return (None, dww.to(write_w.dtype), None, drw.to(read_w.dtype),
+            None if decay is None else ddc.to(decay.dtype), None, None)
+
+
+chunk_prepare_backward.register_fake(recurrence_meta.chunk_prepare_backward_fake)
+chunk_prepare.register_autograd(_chunk_prepare_grad, setup_context=_chunk_prepare_setup)

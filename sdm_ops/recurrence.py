@@ -137,19 +137,15 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     """
     _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
                 inplace=False)
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (v, beta, write_w, read_w, bank, decay)):
-        raise NotImplementedError("sparse_delta_memory: the backward is not implemented yet; "
-                                  "call it under torch.no_grad() or with inputs that do not "
-                                  "require grad")
     v, beta, write_idx, write_w, read_idx, read_w, bank = (
         t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
     decay = None if decay is None else decay.contiguous()
     S, C = bank.shape[-2], chunk_size
     prep, X, QX = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C)
-    _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
+    _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
     out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
-                                       scatter_w, row_decay, rank, X, QX, bank, snapshot)[:2]
+                                       scatter_w, row_decay, rank, read_rank, X, QX, bank,
+                                       snapshot)[:2]
     return SDMOutput(out, bank_out)
 
 

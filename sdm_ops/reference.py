@@ -552,3 +552,110 @@ def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
                           else v.new_zeros(B, H, 0, C, C, dtype=cd))
     return (tokens("dv", D), tokens("dbeta"), tokens("dgw", W), tokens("dgr", R), tokens("dsw", W),
             tokens("drd", W), chunk("dX"), chunk("dQX"), dM.reshape(B, H, S, D))
+
+
+def _chunk_weights_backward(write_idx, write_w, read_idx, read_w, decay, s: int, dA, dQK,
+                            dgw, dgr, dsw, drd):
+    """Explicit backward of :func:`chunk_weights` (inputs [P, C, W] / [P, C, R], dA and dQK
+    [P, C, C]); the same algorithm as the phase-1 backward kernel: every decay product that
+    contains a token's decay is split into the product before it and the product after it."""
+    P, C, W = write_idx.shape
+    R = read_idx.shape[-1]
+    cd = write_w.dtype
+    if decay is None:
+        decay = torch.ones_like(write_w)
+    slot, w, dec = _entries(write_idx, write_w, s, decay)
+    rslot, rw, _ = _entries(read_idx, read_w, s)
+    E, Er = C * W, C * R
+    s_b, w_b, d_b = slot.reshape(P, E), w.reshape(P, E), dec.reshape(P, E)
+    s_r, w_r = rslot.reshape(P, Er), rw.reshape(P, Er)
+    dev = slot.device
+    tok = torch.arange(C, device=dev)
+    te, ti = tok.repeat_interleave(W), tok.repeat_interleave(R)
+    ok_b, ok_r = s_b >= 0, s_r >= 0
+    same = (s_b[:, :, None] == s_b[:, None, :]) & ok_b[:, :, None] & ok_b[:, None, :]    # [P, E, E]
+    rsame = (s_r[:, :, None] == s_b[:, None, :]) & ok_r[:, :, None] & ok_b[:, None, :]   # [P, Er, E]
+    wsame = (s_b[:, :, None] == s_r[:, None, :]) & ok_b[:, :, None] & ok_r[:, None, :]   # [P, E, Er]
+    one = torch.ones((), dtype=cd, device=dev)
+
+    def per_token(match, vals, n):      # [P, X, C * n] -> sum over a token's entries: [P, X, C]
+        return torch.where(match, vals[:, None, :], 0).reshape(*match.shape[:2], C, n).sum(-1)
+
+    dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)        # [P, E, C]
+    K = per_token(same, w_b, W)
+    Q = per_token(wsame, w_r, R)
+    Gs = per_token(same, dgw.reshape(P, E) * w_b, W) + per_token(wsame, dgr.reshape(P, Er) * w_r, R)
+    Gsw = per_token(same, dsw.reshape(P, E) * w_b, W)
+    Rd = per_token(same, drd.reshape(P, E), W).sum(-1)
+    t_ = tok[None, None, :]
+    te_ = te[None, :, None]
+    fwd = torch.cumprod(torch.where(t_ > te_, dec_on, one), -1)                          # (te, t]
+    ub = torch.where(t_ < te_, dec_on, one).prod(-1)
+    incl = torch.flip(torch.cumprod(torch.flip(torch.where(t_ < te_, dec_on, one), [-1]), -1), [-1])
+    back = torch.cat([incl[..., 1:], torch.ones_like(incl[..., :1])], -1)                # (j, te-1]
+    d_self = dec_on.gather(2, te.expand(P, E)[..., None]).squeeze(-1)
+    me = torch.arange(E, device=dev)
+    at_te = (te[None, :, None] == te[None, None, :]) & (me[None, :, None] != me[None, None, :])
+    others = torch.where(same & at_te, d_b[:, None, :], one).prod(-1)
+    dA_col = dA.transpose(1, 2)[:, te, :]            # [P, E, C]: dA[t, te] over t
+    dQK_col = dQK.transpose(1, 2)[:, te, :]
+    dA_row = dA[:, te, :]                            # [P, E, C]: dA[te, j] over j
+    after, from_te, before = t_ > te_, t_ >= te_, t_ < te_
+    fwd_end = fwd[..., C - 1]
+    dw = (torch.where(after, dA_col * fwd * K, 0).sum(-1)
+          + torch.where(from_te, dQK_col * fwd * Q, 0).sum(-1)
+          + dgw.reshape(P, E) * ub * d_self + dsw.reshape(P, E) * fwd_end
+          + d_self * torch.where(before, dA_row * K * back, 0).sum(-1))
+    fwdK = torch.where(from_te, fwd * K, 0)
+    fwdQ = torch.where(from_te, fwd * Q, 0)
+    Z = fwdK @ dA + fwdQ @ dQK                                                             # [P, E, C]
+    dd = (torch.where(before, Z * K * back, 0).sum(-1)
+          + fwd_end * torch.where(before, back * Gsw, 0).sum(-1)
+          + ub * (torch.where(from_te, fwd * Gs, 0).sum(-1) + fwd_end * Rd))
+    d_decay = torch.where(ok_b, dd * others, 0)
+    dw = torch.where(ok_b, dw, 0)
+    # Read entries.
+    rdec = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)         # [P, Er, C]
+    Kr = per_token(rsame, w_b, W)
+    ti_ = ti[None, :, None]
+    upto_r = t_ <= ti_
+    rincl = torch.flip(torch.cumprod(torch.flip(torch.where(upto_r, rdec, one), [-1]), -1), [-1])
+    rback = torch.cat([rincl[..., 1:], torch.ones_like(rincl[..., :1])], -1)              # (j, i]
+    rupto = torch.where(upto_r, rdec, one).prod(-1)
+    dQK_row = dQK[:, ti, :]
+    drw = (torch.where(upto_r, dQK_row * Kr * rback, 0).sum(-1) + dgr.reshape(P, Er) * rupto)
+    drw = torch.where(ok_r, drw, 0)
+    return dw.reshape(P, C, W), drw.reshape(P, C, R), d_decay.reshape(P, C, W)
+
+
+def chunk_prepare_backward_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
+                                     dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+                                     *, slab: int = 256):
+    """Backward of :func:`chunk_prepare_reference`: (d_write_w, d_read_w, d_decay or None)."""
+    cd = compute_dtype(write_w, read_w, decay)
+    B, T, H, W = write_idx.shape
+    R = read_idx.shape[-1]
+    P, C = B * H, dA.shape[-1]
+
+    def ch(x, fill):
+        return _chunked(to_streams(x), C, fill)
+
+    wi, ri = ch(write_idx, -1), ch(read_idx, -1)
+    ww, rw = ch(write_w.to(cd), 0), ch(read_w.to(cd), 0)
+    dc = None if decay is None else ch(decay.to(cd), 1)
+    gw, gr, sw, rd = (ch(x.to(cd), 0) for x in (d_gather_w, d_gather_r, d_scatter_w, d_row_decay))
+    a, q = dA.to(cd).reshape(-1, C, C), dQK.to(cd).reshape(-1, C, C)
+    parts = [_chunk_weights_backward(wi[i:i + slab], ww[i:i + slab], ri[i:i + slab], rw[i:i + slab],
+                                     None if dc is None else dc[i:i + slab], bank_rows,
+                                     a[i:i + slab], q[i:i + slab], gw[i:i + slab], gr[i:i + slab],
+                                     sw[i:i + slab], rd[i:i + slab])
+             for i in range(0, wi.shape[0], slab)]
+    if not parts:
+        z = write_w.new_zeros(B, T, H, W, dtype=cd)
+        return z, read_w.new_zeros(B, T, H, R, dtype=cd), (None if decay is None else z.clone())
+    dww, drw, ddc = (torch.cat(f, 0) for f in zip(*parts))
+
+    def entries(x):
+        return from_streams(_unchunked(x, P, T), B, H)
+
+    return entries(dww), entries(drw), (None if decay is None else entries(ddc))

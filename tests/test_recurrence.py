@@ -142,7 +142,7 @@ def test_snapshot_holds_the_pre_write_rows_within_its_mode_error(mode):
                                  a["decay"], S, C)
         betas = sdm_ops.recurrence._chunk_betas(a["beta"], C)
         X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
-        res = ops.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"], *prep[2:7],
+        res = ops.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"], *prep[2:8],
                                  X.view(prep[0].shape), QX.view(prep[0].shape), a["bank"], mode)
     snap, scale = res[2], res[3]
     # The exact pre-write rows, from the reference's phase 2 run on the same phase-1 output.
@@ -186,7 +186,7 @@ def test_kernels_mask_out_of_range_indices_as_padding():
                                      x["decay"], S, C)
             betas = sdm_ops.recurrence._chunk_betas(x["beta"], C)
             X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
-            return ops.recurrence_fwd(x["v"], x["beta"], x["write_idx"], x["read_idx"], *prep[2:7],
+            return ops.recurrence_fwd(x["v"], x["beta"], x["write_idx"], x["read_idx"], *prep[2:8],
                                       X.view(prep[0].shape), QX.view(prep[0].shape), x["bank"],
                                       "none")[:2]
 

@@ -43,7 +43,7 @@ def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, c
 
 
 def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                        rank, X, QX, bank, snapshot):
+                        rank, read_rank, X, QX, bank, snapshot):
     B, T, H, D = v.shape
     S = bank.shape[-2]
     W = write_idx.shape[-1]
@@ -58,3 +58,23 @@ def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatte
 def recurrence_fwd_inplace_fake(bank, v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
                                 row_decay, rank, X, QX):
     return v.new_empty(v.shape)
+
+
+def recurrence_bwd_fake(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
+                        read_rank, X, QX, res, delta, bank_out, snap, snap_scale, snapshot, dout,
+                        dbank_out, v_dtype):
+    B, T, H, D = res.shape
+    wd = res.dtype
+    t = res.new_empty((B, T, H, D), dtype=wd)
+    return (res.new_empty((B, T, H, D), dtype=v_dtype), res.new_empty((B, T, H), dtype=wd),
+            gather_w.new_empty(gather_w.shape, dtype=wd), gather_r.new_empty(gather_r.shape, dtype=wd),
+            scatter_w.new_empty(scatter_w.shape, dtype=wd), row_decay.new_empty(row_decay.shape, dtype=wd),
+            X.new_empty(X.shape, dtype=wd), QX.new_empty(QX.shape, dtype=wd),
+            bank_out.new_empty(bank_out.shape, dtype=wd))
+
+
+def chunk_prepare_backward_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
+                                d_gather_w, d_gather_r, d_scatter_w, d_row_decay):
+    wd = weight_dtype(write_w, read_w, decay)
+    return (write_w.new_empty(write_w.shape, dtype=wd), read_w.new_empty(read_w.shape, dtype=wd),
+            write_w.new_empty(write_w.shape if decay is not None else (0,), dtype=wd))

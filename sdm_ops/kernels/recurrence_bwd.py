@@ -1,0 +1,300 @@
+"""Backward of phase 2: the chunks of every stream in reverse, restoring the bank as it goes.
+
+For chunk n, with dM the bank gradient at the chunk's end and M the bank restored to the
+chunk's start (its written rows put back from the forward's snapshot):
+
+    ddelta_j = sum_{b in j} scatter_w[b] dM[s_b]
+    du = X^T ddelta + QX^T dout                   dv = beta du        dret = -beta du
+    dscatter_w[b] = dM[s_b] . delta_j             drow_decay[b] = dM[s_b] . M[s_b]  (rank 0)
+    dgather_w[a] = dret_i . M[s_a]                dgather_r[r] = dout_i . M[s_r]
+    dM[s] <- row_decay dM[s] + sum_{a on s} gather_w[a] dret_i      (written slots)
+    dM[s_r] += gather_r[r] dout_i                                     (read slots)
+
+A program owns one stream and BD = 16 columns (grid (B * H, D // 16), like the forward), so
+the per-entry dot products come out as one partial per 16 columns, [..., D // 16], summed in
+a fixed order afterwards. dM is updated in passes by the entries' rank within their slot
+(write entries, then read entries), separated by barriers: one writer per row at a time, in
+entry order, so the result is bitwise deterministic. ``_dual_matmul_bwd_kernel`` then forms
+dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per chunk over all D columns.
+
+Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (written);
+dv [B, T, H, D] (v's dtype); partials [B, T, H, W or R, D // 16] float32; dbank [B, H, S, D]
+float32 holding the gradient of the final bank on entry and of the initial bank on exit;
+bank [B, H, S, D] holding the final bank on entry and the (restored) initial bank on exit.
+Indices outside [0, S) are masked exactly as in the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from .recurrence_fwd import BLOCK_D, SNAP_CODES, recurrence_fwd_geometry
+
+_ROWS = 32
+_NUM_WARPS = 4
+_DUAL_BLOCK_D = 32
+
+
+@triton.jit
+def _load_snapshot(snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.constexpr,
+                   MODE: tl.constexpr):
+    """Dequantized snapshot rows [TB, EP, BD] of entries ``ent`` (flat int64 index)."""
+    if MODE == 0 or MODE == 1:
+        return tl.load(snap + ent[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None],
+                       other=0.0).to(tl.float32)
+    else:
+        scale = tl.load(snap_scale + ent * (D // BD) + c0 // BD, mask=ok, other=0.0)
+        if MODE == 2:
+            bits = tl.load(snap + ent[:, :, None] * D + cols[None, None, :],
+                           mask=ok[:, :, None], other=0).to(tl.int32)   # raw e4m3 bits
+            ex = (bits >> 3) & 15
+            mant = bits & 7
+            normal = (((ex + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+            x = tl.where(ex == 0, mant.to(tl.float32) * 0.001953125, normal)
+            x = tl.where((bits & 0x80) != 0, -x, x)
+        else:
+            half = c0 // 2 + tl.arange(0, BD // 2)
+            byte = tl.load(snap + ent[:, :, None] * (D // 2) + half[None, None, :],
+                           mask=ok[:, :, None], other=0).to(tl.int32)
+            lo = (byte & 15) - 8
+            hi = (byte >> 4) - 8
+            TB: tl.constexpr = byte.shape[0]
+            EP: tl.constexpr = byte.shape[1]
+            x = tl.reshape(tl.join(lo, hi), (TB, EP, BD)).to(tl.float32)
+        return x * scale[:, :, None]
+
+
+@triton.jit
+def _recurrence_bwd_kernel(
+    beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+    X, QX, bank, snap, snap_scale, delta, dout,
+    dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
+    T, H, S,
+    D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
+    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+    MODE: tl.constexpr, HAS_DOUT: tl.constexpr,
+):
+    p = tl.program_id(0)
+    c0 = tl.program_id(1) * BD
+    cols = c0 + tl.arange(0, BD)
+    b = p // H
+    h = p % H
+    NB: tl.constexpr = D // BD
+    pid_c = tl.program_id(1)
+    stream = (b.to(tl.int64) * H + h) * S * D
+    bank_p = bank + stream
+    dbank_p = dbank + stream
+    ow = tl.arange(0, WP)
+    orr = tl.arange(0, RP)
+    N = tl.cdiv(T, C)
+    for nn in range(0, N):
+        n = N - 1 - nn
+        t0 = n * C
+        npass = 1
+        rpass = 0
+        # (a) Restore the rows the chunk wrote.
+        for tb in range(0, C, TB):
+            ii = tb + tl.arange(0, TB)
+            tok_ok = (t0 + ii) < T
+            tok = (b.to(tl.int64) * T + t0 + ii) * H + h
+            went = tok[:, None] * W + ow[None, :]
+            wm = tok_ok[:, None] & (ow[None, :] < W)
+            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
+            ok = wm & (s >= 0) & (s < S)
+            rk = tl.load(rank + went, mask=ok, other=-1)
+            npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
+            first = ok & (rk == 0)
+            rows = _load_snapshot(snap, snap_scale, went, first, c0, cols, D, BD, MODE)
+            tl.store(bank_p + s[:, :, None] * D + cols[None, None, :],
+                     rows.to(bank.dtype.element_ty), mask=first[:, :, None])
+        tl.debug_barrier()
+        # (b) ddelta, dscatter_w, drow_decay from dM at the chunk's end.
+        for tb in range(0, C, TB):
+            ii = tb + tl.arange(0, TB)
+            tok_ok = (t0 + ii) < T
+            tok = (b.to(tl.int64) * T + t0 + ii) * H + h
+            went = tok[:, None] * W + ow[None, :]
+            wm = tok_ok[:, None] & (ow[None, :] < W)
+            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
+            ok = wm & (s >= 0) & (s < S)
+            rk = tl.load(rank + went, mask=ok, other=-1)
+            sw = tl.load(scatter_w + went, mask=ok, other=0.0)
+            dm1 = tl.load(dbank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+            m0 = tl.load(bank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None],
+                         other=0.0).to(tl.float32)
+            dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
+            tl.store(ddelta + tok[:, None] * D + cols[None, :], tl.sum(sw[:, :, None] * dm1, 1),
+                     mask=tok_ok[:, None])
+            tl.store(p_sw + went * NB + pid_c, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
+            tl.store(p_rd + went * NB + pid_c,
+                     tl.where(ok & (rk == 0), tl.sum(dm1 * m0, 2), 0.0), mask=wm)
+        tl.debug_barrier()
+        # (c) du = X^T ddelta + QX^T dout.
+        ci = tl.arange(0, C)
+        tok_c = (b.to(tl.int64) * T + t0 + ci) * H + h
+        ok_c = ((t0 + ci) < T)[:, None]
+        dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)
+        if HAS_DOUT:
+            do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0).to(tl.float32)
+        x_base = ((b.to(tl.int64) * H + h) * N + n) * C * C
+        for rb in range(0, C, RB):
+            ri = rb + tl.arange(0, RB)
+            xo = x_base + ci[None, :] * C + ri[:, None]             # rows ri of X^T
+            acc = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
+            if HAS_DOUT:
+                acc = tl.dot(tl.load(QX + xo), do, acc, input_precision="ieee")
+            tok_r = (b.to(tl.int64) * T + t0 + ri) * H + h
+            tl.store(du + tok_r[:, None] * D + cols[None, :], acc, mask=((t0 + ri) < T)[:, None])
+        tl.debug_barrier()
+        # (d) dv, dgather_w, dgather_r; dM at the written rows (rank 0).
+        for tb in range(0, C, TB):
+            ii = tb + tl.arange(0, TB)
+            tok_ok = (t0 + ii) < T
+            tok = (b.to(tl.int64) * T + t0 + ii) * H + h
+            went = tok[:, None] * W + ow[None, :]
+            wm = tok_ok[:, None] & (ow[None, :] < W)
+            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
+            ok = wm & (s >= 0) & (s < S)
+            rk = tl.load(rank + went, mask=ok, other=-1)
+            bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+            duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
+            tl.store(dv + tok[:, None] * D + cols[None, :], (bb[:, None] * duu).to(dv.dtype.element_ty),
+                     mask=tok_ok[:, None])
+            dret = -bb[:, None] * duu
+            ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
+            m0 = tl.load(ptr, mask=ok[:, :, None], other=0.0).to(tl.float32)
+            tl.store(p_gw + went * NB + pid_c, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
+            rent = tok[:, None] * R + orr[None, :]
+            rm = tok_ok[:, None] & (orr[None, :] < R)
+            q = tl.load(read_idx + rent, mask=rm, other=-1).to(tl.int64)
+            qok = rm & (q >= 0) & (q < S)
+            rrk = tl.load(read_rank + rent, mask=qok, other=0)
+            rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
+            qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :], mask=qok[:, :, None],
+                            other=0.0).to(tl.float32)
+            if HAS_DOUT:
+                doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                              other=0.0).to(tl.float32)
+                tl.store(p_gr + rent * NB + pid_c, tl.sum(doo[:, None, :] * qrows, 2), mask=rm)
+            else:
+                tl.store(p_gr + rent * NB + pid_c, tl.zeros((TB, RP), tl.float32), mask=rm)
+            first = ok & (rk == 0)
+            gw = tl.load(gather_w + went, mask=ok, other=0.0)
+            rd = tl.load(row_decay + went, mask=first, other=1.0)
+            dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
+            dm1 = tl.load(dptr, mask=first[:, :, None], other=0.0)
+            tl.store(dptr, rd[:, :, None] * dm1 + gw[:, :, None] * dret[:, None, :],
+                     mask=first[:, :, None])
+        tl.debug_barrier()
+        # (e) The other write entries of each slot, then the read entries, pass by pass.
+        for k in range(1, npass + rpass):
+            for tb in range(0, C, TB):
+                ii = tb + tl.arange(0, TB)
+                tok_ok = (t0 + ii) < T
+                tok = (b.to(tl.int64) * T + t0 + ii) * H + h
+                bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+                if k < npass:
+                    went = tok[:, None] * W + ow[None, :]
+                    wm = tok_ok[:, None] & (ow[None, :] < W)
+                    s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
+                    ok = wm & (s >= 0) & (s < S)
+                    rk = tl.load(rank + went, mask=ok, other=-1)
+                    mine = ok & (rk == k)
+                    gw = tl.load(gather_w + went, mask=mine, other=0.0)
+                    duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
+                    dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
+                    cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
+                    tl.store(dptr, cur - gw[:, :, None] * (bb[:, None] * duu)[:, None, :],
+                             mask=mine[:, :, None])
+                else:
+                    if HAS_DOUT:
+                        rent = tok[:, None] * R + orr[None, :]
+                        rm = tok_ok[:, None] & (orr[None, :] < R)
+                        q = tl.load(read_idx + rent, mask=rm, other=-1).to(tl.int64)
+                        qok = rm & (q >= 0) & (q < S)
+                        rrk = tl.load(read_rank + rent, mask=qok, other=-1)
+                        mine = qok & (rrk == k - npass)
+                        gq = tl.load(gather_r + rent, mask=mine, other=0.0)
+                        doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                                      other=0.0).to(tl.float32)
+                        dptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
+                        cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
+                        tl.store(dptr, cur + gq[:, :, None] * doo[:, None, :], mask=mine[:, :, None])
+            tl.debug_barrier()
+
+
+@triton.jit
+def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, dX, dQX, dbeta, T, H,
+                            D: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                            HAS_DOUT: tl.constexpr):
+    """dX = ddelta u^T, dQX = dout u^T (u = beta res) and dbeta = du . res for one chunk."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    b = p // H
+    h = p % H
+    N = tl.cdiv(T, C)
+    ci = tl.arange(0, C)
+    tok = (b.to(tl.int64) * T + n * C + ci) * H + h
+    ok = ((n * C + ci) < T)
+    bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
+    acc_x = tl.zeros((C, C), tl.float32)
+    acc_q = tl.zeros((C, C), tl.float32)
+    db = tl.zeros((C,), tl.float32)
+    for k0 in range(0, D, BK):
+        kc = k0 + tl.arange(0, BK)
+        off = tok[:, None] * D + kc[None, :]
+        r = tl.load(res + off, mask=ok[:, None], other=0.0)
+        u = bb[:, None] * r
+        acc_x = tl.dot(tl.load(ddelta + off, mask=ok[:, None], other=0.0), tl.trans(u), acc_x,
+                       input_precision="ieee")
+        if HAS_DOUT:
+            acc_q = tl.dot(tl.load(dout + off, mask=ok[:, None], other=0.0).to(tl.float32),
+                           tl.trans(u), acc_q, input_precision="ieee")
+        db += tl.sum(tl.load(du + off, mask=ok[:, None], other=0.0) * r, 1)
+    base = ((b.to(tl.int64) * H + h) * N + n) * C * C
+    tile = base + ci[:, None] * C + ci[None, :]
+    tl.store(dX + tile, acc_x)
+    tl.store(dQX + tile, acc_q)
+    tl.store(dbeta + tok, db, mask=ok)
+
+
+def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
+                   read_rank, X, QX, res, delta, snap, snap_scale, snapshot: str, dout,
+                   bank, dbank, dv, dX, dQX, dbeta):
+    """Launch the phase-2 backward. ``bank`` (final bank, restored in place) and ``dbank``
+    (gradient of the final bank, turned into that of the initial bank) are work buffers; dv,
+    dX, dQX and dbeta are written whole. ``dout`` may be None (no gradient of ``out``).
+    Returns the per-entry gradients (d_gather_w, d_gather_r, d_scatter_w, d_row_decay)."""
+    B, T, H, D = res.shape
+    W, R = write_idx.shape[-1], read_idx.shape[-1]
+    C = X.shape[-1]
+    S = bank.shape[-2]
+    N = triton.cdiv(T, C)
+    wp, rp, tb = recurrence_fwd_geometry(W, R, C)
+    nb = D // BLOCK_D
+    f32 = dict(dtype=torch.float32, device=res.device)
+    ddelta = torch.empty(B, T, H, D, **f32)
+    du = torch.empty(B, T, H, D, **f32)
+    p_gw = torch.empty(B, T, H, W, nb, **f32)
+    p_sw = torch.empty(B, T, H, W, nb, **f32)
+    p_rd = torch.empty(B, T, H, W, nb, **f32)
+    p_gr = torch.empty(B, T, H, R, nb, **f32)
+    has_dout = dout is not None
+    if B * H * T == 0:
+        return p_gw.sum(-1), p_gr.sum(-1), p_sw.sum(-1), p_rd.sum(-1)
+    wrap_triton(_recurrence_bwd_kernel)[(B * H, nb)](
+        beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+        X, QX, bank, snap.view(torch.uint8) if snapshot == "fp8" else snap,
+        snap_scale if snap_scale.numel() else gather_w, delta,
+        dout if has_dout else delta,
+        dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
+        T, H, S,
+        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
+        MODE=SNAP_CODES[snapshot], HAS_DOUT=has_dout, num_warps=_NUM_WARPS)
+    wrap_triton(_dual_matmul_bwd_kernel)[(N, B * H)](
+        beta, res, ddelta, du, dout if has_dout else du, dX, dQX, dbeta, T, H,
+        D=D, C=C, BK=min(D, _DUAL_BLOCK_D), HAS_DOUT=has_dout, num_warps=_NUM_WARPS)
+    return p_gw.sum(-1), p_gr.sum(-1), p_sw.sum(-1), p_rd.sum(-1)
