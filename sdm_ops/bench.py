@@ -3,7 +3,8 @@
 Reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, bfloat16 values; float32 bank with
 and without decay, and a bfloat16 bank. For each case it prints the forward time (median of
 CUDA-event timings), the number of kernel launches of one forward, the bytes-moved floor over
-the copy bandwidth measured in the same run, and the stock-PyTorch reference path on the GPU.
+the copy bandwidth measured in the same run, forward+backward time with its peak memory above
+the inputs, and the stock-PyTorch reference path on the GPU.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
           f"{bw / 1e12:.2f} TB/s")
     print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
           f"C={args.chunk_size}, bfloat16 values")
-    head = f"{'case':<28}{'forward ms':>11}{'launches':>10}{'floor ms':>10}{'x floor':>9}{'reference ms':>14}"
+    head = (f"{'case':<28}{'fwd ms':>8}{'launches':>9}{'floor ms':>9}{'x floor':>8}"
+            f"{'fwd+bwd ms':>11}{'peak GiB':>9}{'reference fwd ms':>17}")
     print(head)
     print("-" * len(head))
     cases = [("float32 bank, decay", True, torch.float32),
@@ -117,6 +119,19 @@ def main(argv=None) -> int:
 
         ms = _time_ms(fwd)
         launches = kernel_launches(fwd)
+        leaves = {k: a[k].detach().clone().requires_grad_()
+                  for k in ("v", "beta", "write_w", "read_w", "bank", "decay") if k in a}
+
+        def fwd_bwd():
+            out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=args.chunk_size)
+            torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
+
+        bwd_ms = _time_ms(fwd_bwd, reps=5, warmup=2)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+        del leaves
         floor = floor_bytes(a, a["bank"].element_size()) / bw * 1e3
         ref_ms = float("nan")
         if not args.no_reference:
@@ -124,7 +139,8 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     return ref.sdm_chunked_reference(**a, chunk_size=args.chunk_size)
             ref_ms = _time_ms(ref_fwd, reps=2, warmup=1)
-        print(f"{name:<28}{ms:>11.3f}{launches:>10d}{floor:>10.3f}{ms / floor:>9.2f}{ref_ms:>14.1f}")
+        print(f"{name:<28}{ms:>8.3f}{launches:>9d}{floor:>9.3f}{ms / floor:>8.2f}"
+              f"{bwd_ms:>11.3f}{peak:>9.2f}{ref_ms:>17.1f}")
         del a
         torch.cuda.empty_cache()
     return 0

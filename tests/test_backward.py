@@ -1,0 +1,134 @@
+"""Gradients of the recurrence: every input, against float64 autograd of the reference; the
+backward kernels natively on CUDA and under the interpreter on CPU; determinism."""
+
+import contextlib
+
+import pytest
+import torch
+
+import sdm_ops
+from sdm_ops import ops
+from sdm_ops import reference as ref
+from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
+                           requires_cuda, requires_kernels, to_float64)
+
+ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
+FLOATS = ["v", "beta", "write_w", "read_w", "bank", "decay"]
+
+
+def _grads(a, *, kernels: bool, chunk_size=16, snapshot="none", seed=1):
+    """Gradients of sum(out * g_out) + sum(bank * g_bank) with respect to every float input."""
+    a = {k: (v.detach().clone().requires_grad_() if k in FLOATS else v) for k, v in a.items()}
+    names = [n for n in FLOATS if n in a]
+    with on_kernels() if kernels else contextlib.nullcontext():
+        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, snapshot=snapshot)
+        g = torch.Generator().manual_seed(seed)
+        g_out = torch.randn(out.shape, generator=g).to(out.device)
+        g_bank = torch.randn(bank.shape, generator=g).to(bank.device)
+        grads = torch.autograd.grad((out.float() * g_out).sum() + (bank.float() * g_bank).sum(),
+                                    [a[n] for n in names])
+    return dict(zip(names, grads)), g_out, g_bank
+
+
+def _oracle(a, g_out, g_bank, chunk_size=16):
+    b = to_float64({k: v.detach() for k, v in a.items()})
+    names = [n for n in FLOATS if n in b]
+    for n in names:
+        b[n].requires_grad_()
+    out, bank = ref.sdm_chunked_reference(*(b.get(k) for k in ORDER), chunk_size=chunk_size)
+    grads = torch.autograd.grad((out * g_out.cpu().double()).sum() + (bank * g_bank.cpu().double()).sum(),
+                                [b[n] for n in names])
+    return dict(zip(names, grads))
+
+
+def _check(got, want, rtol, what):
+    for n in want:
+        assert_close(got[n], want[n], rtol=rtol, name=f"{what}: d{n}")
+
+
+def test_float64_gradcheck_through_the_cpu_operators():
+    a = to_float64(make_sdm_inputs(B=1, T=7, H=1, D=16, S=3, W=2, R=2, seed=21))
+    names = [n for n in FLOATS if n in a]
+
+    def f(*xs):
+        kw = dict(a, **dict(zip(names, xs)))
+        prep = ops.chunk_prepare(kw["write_idx"], kw["write_w"], kw["read_idx"], kw["read_w"],
+                                 kw["decay"], 3, 16)
+        betas = torch.nn.functional.pad(kw["beta"].transpose(1, 2), (0, 9)).reshape(-1, 16)
+        X, QX = ops.wy_solve(prep[0].view(-1, 16, 16), betas, prep[1].view(-1, 16, 16))
+        out, bank = ops.recurrence_fwd(kw["v"], kw["beta"], kw["write_idx"], kw["read_idx"],
+                                       *prep[2:8], X.view(prep[0].shape), QX.view(prep[0].shape),
+                                       kw["bank"], "none")[:2]
+        return out, bank
+
+    xs = [a[n].clone().requires_grad_() for n in names]
+    assert torch.autograd.gradcheck(f, xs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)],
+                         ids=["cpu_reference", "kernels"])
+def test_gradients_match_float64_reference_with_padding_duplicates_and_zero_decays(kernels):
+    dev = KERNEL_DEVICE if kernels else "cpu"
+    a = make_sdm_inputs(T=37, S=7, W=3, R=2, seed=22, device=dev)
+    got, g_out, g_bank = _grads(a, kernels=kernels)
+    _check(got, _oracle(a, g_out, g_bank), 1e-5, "float32")
+
+
+@requires_kernels
+def test_kernel_gradients_shared_bank_all_on_one_slot_and_no_decay():
+    a = make_sdm_inputs(T=20, S=2, W=4, R=3, D=32, shared=True, seed=23, zero_decay=0.4,
+                        device=KERNEL_DEVICE)
+    got, g_out, g_bank = _grads(a, kernels=True)
+    assert got["bank"].shape == a["bank"].shape
+    _check(got, _oracle(a, g_out, g_bank), 1e-5, "shared bank")
+    a = make_sdm_inputs(T=19, S=9, W=2, R=2, decay=False, seed=24, device=KERNEL_DEVICE)
+    got, g_out, g_bank = _grads(a, kernels=True, chunk_size=32)
+    _check(got, _oracle(a, g_out, g_bank, 32), 1e-5, "no decay")
+
+
+@requires_kernels
+@pytest.mark.parametrize("mode,rtol", [("bf16", 2e-2), ("fp8", 1e-1), ("int4", 3e-1)])
+def test_quantized_snapshots_bound_the_gradient_error(mode, rtol):
+    """v, beta and the bank get exact gradients whatever the snapshot (they do not use the
+    restored rows); the weights' and decays' gradients carry the snapshot's rounding."""
+    a = make_sdm_inputs(T=19, S=9, W=2, R=2, D=32, seed=25, device=KERNEL_DEVICE)
+    got, g_out, g_bank = _grads(a, kernels=True, snapshot=mode)
+    want = _oracle(a, g_out, g_bank)
+    _check({k: got[k] for k in ("v", "beta", "bank")}, {k: want[k] for k in ("v", "beta", "bank")},
+           1e-5, mode)
+    _check({k: got[k] for k in ("write_w", "read_w", "decay")},
+           {k: want[k] for k in ("write_w", "read_w", "decay")}, rtol, mode)
+
+
+def test_only_the_output_or_only_the_bank_may_carry_gradient():
+    a = make_sdm_inputs(T=9, seed=26)
+    v = a["v"].clone().requires_grad_()
+    out, bank = sdm_ops.sparse_delta_memory(**dict(a, v=v))
+    (g1,) = torch.autograd.grad(out.sum(), v)
+    out, bank = sdm_ops.sparse_delta_memory(**dict(a, v=v))
+    (g2,) = torch.autograd.grad(bank.sum(), v)
+    assert g1.abs().sum() > 0 and g2.abs().sum() > 0
+
+
+def test_double_backward_raises_a_clear_error():
+    a = make_sdm_inputs(T=5, seed=27)
+    v = a["v"].clone().requires_grad_()
+    out, _ = sdm_ops.sparse_delta_memory(**dict(a, v=v))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), v, create_graph=True)
+
+
+@requires_cuda
+def test_gradients_match_reference_at_larger_shapes_on_cuda():
+    a = make_sdm_inputs(B=2, T=200, H=2, D=64, S=2048, W=8, R=8, device="cuda", seed=28)
+    got, g_out, g_bank = _grads(a, kernels=True, chunk_size=64)
+    _check(got, _oracle(a, g_out, g_bank, 64), 1e-5, "cuda")
+
+
+@requires_cuda
+def test_backward_is_bitwise_deterministic_on_cuda():
+    a = make_sdm_inputs(B=4, T=700, H=4, D=64, S=256, W=8, R=8, device="cuda", seed=29)
+    first, _, _ = _grads(a, kernels=True, chunk_size=64)
+    second, _, _ = _grads(a, kernels=True, chunk_size=64)
+    for n in first:
+        assert torch.equal(first[n], second[n]), f"d{n} differs between two runs"
