@@ -119,8 +119,9 @@ def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...], k: int) ->
     for f in range(1, len(factors)):
         fac = cols[f]
         frank = _rank(fac, torch.zeros_like(fac, dtype=torch.int64))
-        score = (score[:, :, None] + fac[:, None, :]).reshape(n, -1)
-        tie = (rank[:, :, None] * factors[f] + frank[:, None, :]).reshape(n, -1)
+        width = score.shape[1] * fac.shape[1]
+        score = (score[:, :, None] + fac[:, None, :]).reshape(n, width)
+        tie = (rank[:, :, None] * factors[f] + frank[:, None, :]).reshape(n, width)
         rank = _rank(score, tie)
     kk = min(k, math.prod(factors))
     best = torch.argsort(rank, dim=-1)[:, :kk]

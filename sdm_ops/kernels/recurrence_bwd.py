@@ -210,19 +210,21 @@ def _recurrence_bwd_kernel(
                     tl.store(dptr, cur - gw[:, :, None] * (bb[:, None] * duu)[:, None, :],
                              mask=mine[:, :, None])
                 else:
+                    # Read entries: names differ from the branch above (tiles of another shape).
                     if HAS_DOUT:
-                        rent = tok[:, None] * R + orr[None, :]
-                        rm = tok_ok[:, None] & (orr[None, :] < R)
-                        q = tl.load(read_idx + rent, mask=rm, other=-1).to(tl.int64)
-                        qok = rm & (q >= 0) & (q < S)
-                        rrk = tl.load(read_rank + rent, mask=qok, other=-1)
-                        mine = qok & (rrk == k - npass)
-                        gq = tl.load(gather_r + rent, mask=mine, other=0.0)
-                        doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                                      other=0.0).to(tl.float32)
-                        dptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
-                        cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
-                        tl.store(dptr, cur + gq[:, :, None] * doo[:, None, :], mask=mine[:, :, None])
+                        r_ent = tok[:, None] * R + orr[None, :]
+                        r_m = tok_ok[:, None] & (orr[None, :] < R)
+                        r_s = tl.load(read_idx + r_ent, mask=r_m, other=-1).to(tl.int64)
+                        r_ok = r_m & (r_s >= 0) & (r_s < S)
+                        r_rk = tl.load(read_rank + r_ent, mask=r_ok, other=-1)
+                        r_mine = r_ok & (r_rk == k - npass)
+                        r_g = tl.load(gather_r + r_ent, mask=r_mine, other=0.0)
+                        r_do = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                                       other=0.0).to(tl.float32)
+                        r_ptr = dbank_p + r_s[:, :, None] * D + cols[None, None, :]
+                        r_cur = tl.load(r_ptr, mask=r_mine[:, :, None], other=0.0)
+                        tl.store(r_ptr, r_cur + r_g[:, :, None] * r_do[:, None, :],
+                                 mask=r_mine[:, :, None])
             tl.debug_barrier()
 
 
