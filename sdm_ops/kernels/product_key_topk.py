@@ -1,0 +1,395 @@
+"""Exact product-key top-k: forward selection and sparse backward.
+
+Math. A row of ``raw`` holds F (1..4) factor blocks side by side, block f of ``factors[f]``
+columns at column offset ``off_f = sum(factors[:f])``. Slot ``(c_0, .., c_{F-1})`` scores the
+float32 sum ``((x_0[c_0] + x_1[c_1]) + ..) + x_{F-1}[c_{F-1}]`` (bfloat16 input is widened to
+float32 first) and has the row-major index ``lin = (..(c_0 * factors[1] + c_1)..) *
+factors[F-1] + c_{F-1}``. The forward returns the kk = min(k, prod(factors)) best slots under
+the tie rule below, ``lin`` strictly ascending and ``val`` the score rounded to the input
+dtype. The backward adds each slot's value gradient to the one column of each factor it sums.
+
+Tie rule (the one of ``sdm_ops.product_key`` and ``reference.product_key_topk_reference``).
+Scores compare as numbers with NaN counted as -inf and -0 equal to +0. Factor f ranks its
+columns by value, larger first, equal values to the smaller column. The prefix of factors
+0..f ranks its tuples by score, larger first, then by the rank of the prefix 0..f-1, then by
+the rank of factor f's column.
+
+Algorithm (forward), per row, all in registers:
+
+1. Each factor's columns become packed int64 keys ``key32(x) << 32 | (4095 - c) << 2 | flags``
+   where ``key32`` is an order-preserving signed int32 of the float (NaN -> key of -inf,
+   -0 -> +0) and ``flags`` remember NaN and -0 so the exact value decodes back. Keys are
+   unique, so ``tl.topk`` of them is exactly the factor's best m_f = min(k, factors[f])
+   columns, in rank order. Factors wider than a chunk (CF columns, at most _FWD_CHUNK) are
+   taken chunk by chunk, the running best list merged with each chunk's (``_merge``).
+2. Stage f = 1..F-1 combines the previous list (n ranks, in order) with factor f's list
+   (m ranks): candidate (i, j) scores ``prev[i] + x_f[j]`` (float32, in this order). Only
+   pairs with ``(i + 1) * (j + 1) <= kk_f``, kk_f = min(k, n * m), can be among the best
+   kk_f: every pair (i', j') <= (i, j) scores at least as much (float addition is monotone
+   and NaN -> -inf keeps it so) and wins ties by rank. The candidates are enumerated as
+   log2(B) + 1 regions of B = next_pow2(kk_f) pairs: j = 0 with i < B, and for w = 1, 2,
+   4, .. < B, j in [w, 2w) with i < B / w (``_pair_keys``), in chunks of CS candidates. Their
+   keys ``key32(score) << 32 | (65535 - (256 i + j)) << 2 | flags`` are unique and order
+   exactly as the tie rule, so ``tl.topk`` (and ``_merge`` across chunks) yields the
+   stage's list in rank order; ``lin = prev_lin[i] * factors[f] + column_f[j]`` follows from
+   (i, j) by ``tl.gather``.
+3. The final list is sorted by ``lin << 8 | position`` ascending and ``val`` gathered by
+   position. ``val`` is rounded to bfloat16 on the bits (round to nearest even), the same
+   on the GPU and under the interpreter.
+
+Backward: for each factor f and each block of its columns, a register accumulator walks the
+row's kk selected slots in order (j = 0, 1, ..) adding ``grad_val[j]`` (as float32) where the
+slot's column ``(lin // prod(factors[f+1:])) % factors[f]`` matches, then rounds once to the
+gradient dtype at the store. Every column is written (zero where no slot selects it).
+
+Layouts (all contiguous, row-major): ``rows`` [n, W] with W = sum(factors), float32 or
+bfloat16; ``val`` [n, kk] in the row dtype; ``lin`` [n, kk] int64; ``grad_val`` [n, kk] float32
+or bfloat16; ``grad`` [n, W] float32 or bfloat16.
+
+Grid: one axis, ``cdiv(n, ROWS)`` programs; program p owns rows ``p * ROWS .. p * ROWS + ROWS
+- 1`` (64-bit row offsets), all of its tensors being [ROWS, *] blocks. Launch configurations
+(ROWS, chunk widths, warps) are pinned by the factors and k alone (no autotuning), so a
+launch never syncs with the host and is CUDA-graph capturable. The warp count keeps each
+gather source's rows whole within a warp, which Triton's gather lowering requires.
+
+Determinism: the forward is a pure function of the row (integer keys with no two equal, so no
+ordering choice is left to the sort). The backward has one writer per gradient element and
+adds in a fixed order, with no atomics; its float32 sums are those of the reference
+(sequential in slot order, from +0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Pinned launch geometry. Forward: factor columns and stage candidates go in chunks of at
+# most _FWD_CHUNK; rows per program such that the widest chunk times ROWS is about
+# _FWD_BLOCK; at most _FWD_WARPS warps. Backward: accumulator blocks of at most _BWD_COLS
+# columns, rows per program such that a block holds about _BWD_BLOCK elements.
+_FWD_BLOCK = 2048
+_FWD_CHUNK = 512
+_FWD_MAX_ROWS = 16
+_FWD_WARPS = 4
+_BWD_COLS = 256
+_BWD_BLOCK = 2048
+_BWD_MAX_ROWS = 16
+_BWD_WARPS = 4
+# Below every key ``_pack`` makes (their int32 part is at least that of -inf), and above every
+# lin-ordered key of the final sort.
+_MIN_KEY = tl.constexpr(-(2**63))
+_MAX_KEY = tl.constexpr(2**63 - 1)
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def _log2(x: int) -> int:
+    return x.bit_length() - 1
+
+
+# ---------------------------------------------------------------------------
+# Key packing
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _key32(x):
+    """Order-preserving int32 of float32 ``x``: NaN as -inf, -0 as +0."""
+    s = tl.where(x != x, float("-inf"), x)
+    s = tl.where(s == 0.0, 0.0, s)
+    b = s.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _flags(x):
+    """2 bits: NaN (2) and -0 (1), which ``_key32`` forgets."""
+    b = x.to(tl.int32, bitcast=True)
+    return (x != x).to(tl.int32) * 2 + (b == -2147483648).to(tl.int32)
+
+
+@triton.jit
+def _pack(x, tie):
+    """int64 key of float32 ``x`` with ``tie`` (non-negative, < 2**29) breaking equal keys."""
+    low = (tie << 2) | _flags(x)
+    return (_key32(x).to(tl.int64) << 32) | low.to(tl.int64)
+
+
+@triton.jit
+def _value(key):
+    """The exact float32 packed in ``key`` by ``_pack``."""
+    k32 = (key >> 32).to(tl.int32)
+    flags = (key & 3).to(tl.int32)
+    b = k32 ^ ((k32 >> 31) & 0x7FFFFFFF)
+    b = tl.where((flags & 2) != 0, 0x7FC00000, b)
+    b = tl.where((flags & 1) != 0, -2147483648, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_dtype(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to ``dtype`` (float32 or bfloat16) to nearest even. The bfloat16
+    rounding is done on the bits, so the conversion itself is exact (the interpreter's
+    float32 -> bfloat16 cast truncates)."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        b = tl.where(x != x, 0x7FC00000, b)
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _tie(key):
+    return ((key >> 2) & 0x1FFFFFFF).to(tl.int32)
+
+
+# ---------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _merge(best, new, L: tl.constexpr, ROWS: tl.constexpr):
+    """The best L keys of two [ROWS, L] key sets, best first."""
+    return tl.topk(tl.reshape(tl.join(best, new), (ROWS, 2 * L)), L, dim=1)
+
+
+@triton.jit
+def _factor_keys(base, rmask, c0, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexpr):
+    """Keys of columns c0 .. c0 + CH - 1 of the factor at column OFF (F wide): [ROWS, CH]
+    int64, tie field 4095 - column; columns past F get _MIN_KEY."""
+    col = c0 + tl.arange(0, CH)
+    ok = col < F
+    x = tl.load(base[:, None] + OFF + col[None, :], mask=rmask[:, None] & ok[None, :],
+                other=0.0).to(tl.float32)
+    key = _pack(x, (4095 - col)[None, :])
+    return tl.where(ok[None, :], key, _MIN_KEY)
+
+
+@triton.jit
+def _factor_top(base, rmask, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexpr,
+                LM: tl.constexpr, ROWS: tl.constexpr):
+    """Keys of the best LM columns of the factor, best first ([ROWS, LM]), from chunks of CH
+    columns."""
+    best = tl.topk(_factor_keys(base, rmask, 0, OFF, F, CH), LM, dim=1)
+    for c0 in range(CH, F, CH):
+        best = _merge(best, tl.topk(_factor_keys(base, rmask, c0, OFF, F, CH), LM, dim=1),
+                      LM, ROWS)
+    return best
+
+
+@triton.jit
+def _factor_col(key):
+    return 4095 - _tie(key)
+
+
+@triton.jit
+def _pair_keys(ps, fkey, c0, NP: tl.constexpr, M: tl.constexpr, KK: tl.constexpr,
+               B: tl.constexpr, LOG: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr):
+    """Keys of candidates c0 .. c0 + CH - 1 of a stage: [ROWS, CH] int64, tie field
+    65535 - (256 i + j); candidates that cannot be among the best KK get _MIN_KEY.
+    Candidate c lies in region r = c // B at offset o = c % B: region 0 is (i, j) = (o, 0),
+    region r > 0 holds j in [w, 2w), w = 2**(r - 1), as (i, j) = (o // w, w + o % w)."""
+    c = c0 + tl.arange(0, CH)
+    r = c // B
+    o = c % B
+    sh = tl.maximum(r - 1, 0)
+    w = tl.full((CH,), 1, tl.int32) << sh
+    i = tl.where(r == 0, o, o >> sh)
+    j = tl.where(r == 0, 0, w + (o & (w - 1)))
+    ok = (r <= LOG) & (i < NP) & (j < M) & ((i + 1) * (j + 1) <= KK)
+    i = tl.where(ok, i, 0)
+    j = tl.where(ok, j, 0)
+    ii = tl.broadcast_to(i[None, :], (ROWS, CH))
+    jj = tl.broadcast_to(j[None, :], (ROWS, CH))
+    s = tl.gather(ps, ii, 1) + _value(tl.gather(fkey, jj, 1))
+    key = _pack(s, (65535 - (i * 256 + j))[None, :])
+    return tl.where(ok[None, :], key, _MIN_KEY)
+
+
+@triton.jit
+def _stage(ps, plin, fkey, F: tl.constexpr, NP: tl.constexpr, LP: tl.constexpr,
+           M: tl.constexpr, LM: tl.constexpr, KK: tl.constexpr, B: tl.constexpr,
+           LOG: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr):
+    """Best KK pairs of the previous list (scores ``ps``, slots ``plin``, [ROWS, LP], NP valid
+    ranks) and factor keys ``fkey`` ([ROWS, LM], M valid ranks): [ROWS, B] scores and slots
+    in rank order, the first KK valid. The (LOG + 1) * B candidates go in chunks of CH."""
+    best = tl.topk(_pair_keys(ps, fkey, 0, NP, M, KK, B, LOG, CH, ROWS), B, dim=1)
+    for c0 in range(CH, (LOG + 1) * B, CH):
+        best = _merge(best, tl.topk(_pair_keys(ps, fkey, c0, NP, M, KK, B, LOG, CH, ROWS), B,
+                                    dim=1), B, ROWS)
+    tie = 65535 - _tie(best)
+    ti = tl.minimum(tie >> 8, LP - 1)
+    tj = tl.minimum(tie & 255, LM - 1)
+    lin = tl.gather(plin, ti, 1) * F + _factor_col(tl.gather(fkey, tj, 1)).to(tl.int64)
+    return _value(best), lin
+
+
+@triton.jit
+def _product_key_topk_fwd(
+    rows_ptr,                   # [n, W] float32 / bfloat16
+    val_ptr,                    # [n, KK] rows dtype
+    lin_ptr,                    # [n, KK] int64
+    n_rows,
+    W: tl.constexpr, NF: tl.constexpr, KK: tl.constexpr, LF: tl.constexpr,
+    ROWS: tl.constexpr,
+    F0: tl.constexpr, M0: tl.constexpr, LM0: tl.constexpr, CF0: tl.constexpr,
+    F1: tl.constexpr, M1: tl.constexpr, LM1: tl.constexpr, CF1: tl.constexpr,
+    F2: tl.constexpr, M2: tl.constexpr, LM2: tl.constexpr, CF2: tl.constexpr,
+    F3: tl.constexpr, M3: tl.constexpr, LM3: tl.constexpr, CF3: tl.constexpr,
+    KK1: tl.constexpr, B1: tl.constexpr, LOG1: tl.constexpr, CS1: tl.constexpr,
+    KK2: tl.constexpr, B2: tl.constexpr, LOG2: tl.constexpr, CS2: tl.constexpr,
+    KK3: tl.constexpr, B3: tl.constexpr, LOG3: tl.constexpr, CS3: tl.constexpr,
+):
+    """Factor f: F{f} columns, M{f} = min(k, F{f}) ranked, lists of LM{f} = pow2(M{f}) from
+    chunks of CF{f} columns. Stage f keeps KK{f} of B{f} = pow2(KK{f}) = 2**LOG{f} ranks from
+    (LOG{f} + 1) * B{f} candidates in chunks of CS{f}. The final list has LF entries, KK
+    valid."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = row < n_rows
+    base = rows_ptr + row * W
+    key = _factor_top(base, rmask, 0, F0, CF0, LM0, ROWS)
+    score = _value(key)
+    lin = _factor_col(key).to(tl.int64)
+    if NF > 1:
+        key = _factor_top(base, rmask, F0, F1, CF1, LM1, ROWS)
+        score, lin = _stage(score, lin, key, F1, M0, LM0, M1, LM1, KK1, B1, LOG1, CS1, ROWS)
+    if NF > 2:
+        key = _factor_top(base, rmask, F0 + F1, F2, CF2, LM2, ROWS)
+        score, lin = _stage(score, lin, key, F2, KK1, B1, M2, LM2, KK2, B2, LOG2, CS2, ROWS)
+    if NF > 3:
+        key = _factor_top(base, rmask, F0 + F1 + F2, F3, CF3, LM3, ROWS)
+        score, lin = _stage(score, lin, key, F3, KK2, B2, M3, LM3, KK3, B3, LOG3, CS3, ROWS)
+    # Sort the KK kept slots by lin (< 2**48), carrying their rank position in the low byte.
+    pos = tl.arange(0, LF)
+    keep = pos < KK
+    skey = tl.where(keep[None, :], (lin << 8) | pos[None, :].to(tl.int64), _MAX_KEY)
+    skey = tl.sort(skey, dim=1)
+    p = tl.minimum((skey & 255).to(tl.int32), LF - 1)
+    val = tl.gather(score, p, 1)
+    out = row[:, None] * KK + pos[None, :]
+    smask = rmask[:, None] & keep[None, :]
+    tl.store(lin_ptr + out, skey >> 8, mask=smask)
+    tl.store(val_ptr + out, _to_dtype(val, val_ptr.dtype.element_ty), mask=smask)
+
+
+def _fwd_config(factors: list[int], k: int) -> dict:
+    """Constexprs and launch options of ``_product_key_topk_fwd``, a function of factors and k
+    alone. ROWS fills a block of about _FWD_BLOCK elements of the widest per-row tensor; the
+    warp count is capped so that every ``tl.gather`` source has whole rows per warp (Triton
+    lowers a gather warp-locally and asserts it can)."""
+    meta = {}
+    widest, narrowest = 1, 32
+    for f in range(4):
+        width = factors[f] if f < len(factors) else 1
+        m = min(k, width)
+        chunk = min(_pow2(width), _FWD_CHUNK)
+        meta.update({f"F{f}": width, f"M{f}": m, f"LM{f}": _pow2(m), f"CF{f}": chunk})
+        if f < len(factors):
+            widest = max(widest, chunk)
+            if len(factors) > 1:
+                narrowest = min(narrowest, _pow2(m))
+    kept = meta["M0"]
+    for f in range(1, 4):
+        if f < len(factors):
+            kept = min(k, kept * meta[f"M{f}"])
+        b = _pow2(kept) if f < len(factors) else 1
+        chunk = min(_pow2((_log2(b) + 1) * b), max(b, _FWD_CHUNK))
+        meta.update({f"KK{f}": kept, f"B{f}": b, f"LOG{f}": _log2(b), f"CS{f}": chunk})
+        if f < len(factors):
+            widest = max(widest, chunk)
+            narrowest = min(narrowest, b)
+    kk = min(k, math.prod(factors))
+    narrowest = min(narrowest, _pow2(kk))
+    rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // widest))
+    warps = max(1, min(_FWD_WARPS, rows * narrowest // 32))
+    meta.update(NF=len(factors), KK=kk, LF=_pow2(kk), W=sum(factors), ROWS=rows,
+                num_warps=warps)
+    return meta
+
+
+def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: torch.Tensor,
+                         lin: torch.Tensor) -> None:
+    """val, lin [n, kk] <- the exact top-kk slots of each row of ``rows`` [n, sum(factors)]
+    (float32 or bfloat16, contiguous), lin ascending; kk = min(k, prod(factors))."""
+    n = rows.shape[0]
+    if n == 0:
+        return
+    meta = _fwd_config(list(factors), k)
+    grid = (triton.cdiv(n, meta["ROWS"]),)
+    torch.library.wrap_triton(_product_key_topk_fwd)[grid](rows, val, lin, n, **meta)
+
+
+# ---------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def _factor_grad(lin_row, g_row, out_row, rmask, KK: tl.constexpr, F: tl.constexpr,
+                 STRIDE: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr):
+    """out_row[:, c] = sum over slots j (in order) with column c of this factor of g[:, j]."""
+    for c0 in range(0, F, BC):
+        col = c0 + tl.arange(0, BC)
+        acc = tl.zeros((ROWS, BC), tl.float32)
+        for j in range(KK):
+            slot = tl.load(lin_row + j, mask=rmask, other=0)
+            g = tl.load(g_row + j, mask=rmask, other=0.0).to(tl.float32)
+            c = ((slot // STRIDE) % F).to(tl.int32)
+            acc += tl.where(c[:, None] == col[None, :], g[:, None], 0.0)
+        tl.store(out_row[:, None] + col[None, :], _to_dtype(acc, out_row.dtype.element_ty),
+                 mask=rmask[:, None] & (col < F)[None, :])
+
+
+@triton.jit
+def _product_key_topk_bwd(
+    lin_ptr,                    # [n, KK] int64
+    g_ptr,                      # [n, KK] float32 / bfloat16
+    grad_ptr,                   # [n, W] float32 / bfloat16
+    n_rows,
+    KK: tl.constexpr, W: tl.constexpr, NF: tl.constexpr, ROWS: tl.constexpr,
+    F0: tl.constexpr, S0: tl.constexpr, BC0: tl.constexpr,
+    F1: tl.constexpr, S1: tl.constexpr, BC1: tl.constexpr,
+    F2: tl.constexpr, S2: tl.constexpr, BC2: tl.constexpr,
+    F3: tl.constexpr, S3: tl.constexpr, BC3: tl.constexpr,
+):
+    """Factor f: F{f} columns, column of slot lin = (lin // S{f}) % F{f}, S{f} =
+    prod(factors[f+1:]); accumulator blocks of BC{f} columns."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = row < n_rows
+    lin_row = lin_ptr + row * KK
+    g_row = g_ptr + row * KK
+    out_row = grad_ptr + row * W
+    _factor_grad(lin_row, g_row, out_row, rmask, KK, F0, S0, BC0, ROWS)
+    if NF > 1:
+        _factor_grad(lin_row, g_row, out_row + F0, rmask, KK, F1, S1, BC1, ROWS)
+    if NF > 2:
+        _factor_grad(lin_row, g_row, out_row + (F0 + F1), rmask, KK, F2, S2, BC2, ROWS)
+    if NF > 3:
+        _factor_grad(lin_row, g_row, out_row + (F0 + F1 + F2), rmask, KK, F3, S3, BC3, ROWS)
+
+
+def product_key_topk_bwd(lin: torch.Tensor, grad_val: torch.Tensor, factors: list[int],
+                         grad: torch.Tensor) -> None:
+    """grad [n, sum(factors)] <- the gradient of the rows from ``grad_val`` [n, kk] at the
+    slots ``lin`` [n, kk] (all contiguous); every element is written."""
+    n, kk = lin.shape
+    if n == 0:
+        return
+    factors = list(factors)
+    meta = {}
+    widest = 1
+    for f in range(4):
+        width = factors[f] if f < len(factors) else 1
+        bc = min(_pow2(width), _BWD_COLS)
+        meta.update({f"F{f}": width, f"S{f}": math.prod(factors[f + 1:]), f"BC{f}": bc})
+        widest = max(widest, bc)
+    block_rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
+    grid = (triton.cdiv(n, block_rows),)
+    torch.library.wrap_triton(_product_key_topk_bwd)[grid](
+        lin, grad_val, grad, n, KK=kk, W=sum(factors), NF=len(factors), ROWS=block_rows,
+        num_warps=_BWD_WARPS, **meta)
