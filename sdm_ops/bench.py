@@ -51,9 +51,9 @@ def kernel_launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
+def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0,
+                  dev: str = "cuda"):
+    g = torch.Generator(device=dev).manual_seed(seed)
     args = dict(
         v=torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16),
         beta=torch.rand(B, T, H, device=dev, generator=g),
@@ -82,6 +82,33 @@ def floor_bytes(a: dict, snapshot_itemsize: int) -> int:
             + entries * (W + R) * row + entries * W * row + entries * W * D * snapshot_itemsize)
 
 
+def snapshot_errors(a: dict, chunk_size: int) -> None:
+    """Print, per snapshot mode, the bytes kept per token and the error of each gradient
+    against the exact mode ("none"): max |g - g_none| / max |g_none|."""
+    names = [k for k in ("v", "beta", "write_w", "read_w", "bank", "decay") if k in a]
+    B, T, H, D = a["v"].shape
+    W = a["write_idx"].shape[-1]
+    grads = {}
+    for mode in ("none", "bf16", "fp8", "int4"):
+        leaves = {k: a[k].detach().clone().requires_grad_() for k in names}
+        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size,
+                                                snapshot=mode)
+        g = torch.Generator(device=out.device).manual_seed(1)
+        g_out = torch.randn(out.shape, device=out.device, generator=g)
+        g_bank = torch.randn(bank.shape, device=bank.device, generator=g)
+        grads[mode] = torch.autograd.grad((out.float() * g_out).sum() + (bank.float() * g_bank).sum(),
+                                          [leaves[k] for k in names])
+    row = {"none": D * a["bank"].element_size(), "bf16": D * 2, "fp8": D + D // 4,
+           "int4": D // 2 + D // 4}
+    print(f"snapshot modes, B={B} T={T} H={H} D={D} W={W}: bytes kept per token and the gradients' "
+          "error against 'none'")
+    print(f"{'mode':<6}{'bytes/token':>12}" + "".join(f"{'d' + n:>10}" for n in names))
+    for mode, gs in grads.items():
+        errs = [((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+                for x, y in zip(gs, grads["none"])]
+        print(f"{mode:<6}{row[mode] * W:>12d}" + "".join(f"{e:>10.1e}" for e in errs))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="SDM forward benchmark")
     parser.add_argument("--B", type=int, default=8)
@@ -93,12 +120,19 @@ def main(argv=None) -> int:
     parser.add_argument("--R", type=int, default=8)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
+    parser.add_argument("--snapshot-errors", action="store_true",
+                        help="only measure the snapshot modes' gradient error (CPU or CUDA)")
     args = parser.parse_args(argv)
+    shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
+    if args.snapshot_errors:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        snapshot_errors(make_workload(*shape, decay=True, bank_dtype=torch.float32, dev=dev),
+                        args.chunk_size)
+        return 0
     if not torch.cuda.is_available():
         print("sdm_ops.bench needs a CUDA GPU; nothing to measure here.")
         return 0
     bw = copy_bandwidth()
-    shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
     print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, copy bandwidth "
           f"{bw / 1e12:.2f} TB/s")
     print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
