@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._tiles import token_entries
+
 _NUM_WARPS = 4
 _TILE = 4096     # own entries x token entries compared at once
 
@@ -49,6 +51,16 @@ def _mul(a, b):
 @triton.jit
 def _prod(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _mul)
+
+
+@triton.jit
+def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """Decays [EP] of one token's valid entries ``ok`` (1 elsewhere, and without decay)."""
+    if HAS_DECAY:
+        o = tl.arange(0, EP)
+        return tl.where(ok, tl.load(decay + row * E + o, mask=ok, other=1.0).to(tl.float32), 1.0)
+    else:
+        return tl.full((EP,), 1.0, tl.float32)
 
 
 @triton.jit
@@ -96,22 +108,12 @@ def _chunk_prepare_kernel(
 
     a_base = ((b.to(tl.int64) * H + h) * tl.cdiv(T, C) + n) * C * C
     for t in range(0, C):
-        ok_t = (t0 + t) < T
         row_t = (b.to(tl.int64) * T + t0 + t) * H + h
-        m_t = ok_t & (ow < W)
-        s_t = tl.load(write_idx + row_t * W + ow, mask=m_t, other=-1).to(tl.int64)
-        v_t = m_t & (s_t >= 0) & (s_t < S)
-        s_t = tl.where(v_t, s_t, -3)             # padding matches nothing
-        w_t = tl.where(v_t, tl.load(write_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32), 0.0)
-        if HAS_DECAY:
-            d_t = tl.where(v_t, tl.load(decay + row_t * W + ow, mask=v_t, other=1.0).to(tl.float32), 1.0)
-        else:
-            d_t = tl.full((WP,), 1.0, tl.float32)
-        mr_t = ok_t & (orr < R)
-        q_t = tl.load(read_idx + row_t * R + orr, mask=mr_t, other=-1).to(tl.int64)
-        vq_t = mr_t & (q_t >= 0) & (q_t < S)
-        q_t = tl.where(vq_t, q_t, -4)
-        wq_t = tl.where(vq_t, tl.load(read_w + row_t * R + orr, mask=vq_t, other=0.0).to(tl.float32), 0.0)
+        ok_t = (t0 + t) < T
+        # Token t's entries; padding gets slots that match nothing (-3 and -4).
+        s_t, w_t, v_t = token_entries(write_idx, write_w, row_t, ok_t, W, WP, S, -3)
+        d_t = _token_decays(decay, row_t, v_t, W, WP, HAS_DECAY)
+        q_t, wq_t, vq_t = token_entries(read_idx, read_w, row_t, ok_t, R, RP, S, -4)
 
         # Own write entries against token t's write and read entries.
         hit = s_b[:, :, None] == s_t[None, None, :]                      # [BJ, WP, WP]
@@ -252,22 +254,12 @@ def _chunk_prepare_bwd_kernel(
     fwd_q = tl.zeros((E, C), tl.float32)
     for t in range(0, C):
         row_t = (b.to(tl.int64) * T + t0 + t) * H + h
-        m_t = ((t0 + t) < T) & (ow < W)
-        s_t = tl.load(write_idx + row_t * W + ow, mask=m_t, other=-1).to(tl.int64)
-        v_t = m_t & (s_t >= 0) & (s_t < S)
-        s_t = tl.where(v_t, s_t, -3)
-        w_t = tl.where(v_t, tl.load(write_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32), 0.0)
-        if HAS_DECAY:
-            d_t = tl.where(v_t, tl.load(decay + row_t * W + ow, mask=v_t, other=1.0).to(tl.float32), 1.0)
-        else:
-            d_t = tl.full((WP,), 1.0, tl.float32)
+        ok_t = (t0 + t) < T
+        s_t, w_t, v_t = token_entries(write_idx, write_w, row_t, ok_t, W, WP, S, -3)
+        d_t = _token_decays(decay, row_t, v_t, W, WP, HAS_DECAY)
         gw_t = tl.load(d_gather_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
         rd_t = tl.load(d_row_decay + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
-        mr_t = ((t0 + t) < T) & (orr < R)
-        q_t = tl.load(read_idx + row_t * R + orr, mask=mr_t, other=-1).to(tl.int64)
-        vq_t = mr_t & (q_t >= 0) & (q_t < S)
-        q_t = tl.where(vq_t, q_t, -4)
-        wq_t = tl.where(vq_t, tl.load(read_w + row_t * R + orr, mask=vq_t, other=0.0).to(tl.float32), 0.0)
+        q_t, wq_t, vq_t = token_entries(read_idx, read_w, row_t, ok_t, R, RP, S, -4)
         gr_t = tl.load(d_gather_r + row_t * R + orr, mask=vq_t, other=0.0).to(tl.float32)
 
         hit = s_e[:, None] == s_t[None, :]                                # [E, WP]
@@ -314,15 +306,9 @@ def _chunk_prepare_bwd_kernel(
     for tt in range(0, C):
         t = C - 1 - tt
         row_t = (b.to(tl.int64) * T + t0 + t) * H + h
-        m_t = ((t0 + t) < T) & (ow < W)
-        s_t = tl.load(write_idx + row_t * W + ow, mask=m_t, other=-1).to(tl.int64)
-        v_t = m_t & (s_t >= 0) & (s_t < S)
-        s_t = tl.where(v_t, s_t, -3)
-        w_t = tl.where(v_t, tl.load(write_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32), 0.0)
-        if HAS_DECAY:
-            d_t = tl.where(v_t, tl.load(decay + row_t * W + ow, mask=v_t, other=1.0).to(tl.float32), 1.0)
-        else:
-            d_t = tl.full((WP,), 1.0, tl.float32)
+        ok_t = (t0 + t) < T
+        s_t, w_t, v_t = token_entries(write_idx, write_w, row_t, ok_t, W, WP, S, -3)
+        d_t = _token_decays(decay, row_t, v_t, W, WP, HAS_DECAY)
         sw_t = tl.load(d_scatter_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
         hit = s_e[:, None] == s_t[None, :]
         dprod = _prod(tl.where(hit, d_t[None, :], 1.0), 1)

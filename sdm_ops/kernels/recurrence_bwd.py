@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._tiles import entry_tile, token_rows
 from .recurrence_fwd import BLOCK_D, SNAP_CODES, recurrence_fwd_geometry
 
 _ROWS = 32
@@ -87,8 +88,6 @@ def _recurrence_bwd_kernel(
     stream = (b.to(tl.int64) * H + h) * S * D
     bank_p = bank + stream
     dbank_p = dbank + stream
-    ow = tl.arange(0, WP)
-    orr = tl.arange(0, RP)
     N = tl.cdiv(T, C)
     for nn in range(0, N):
         n = N - 1 - nn
@@ -98,12 +97,8 @@ def _recurrence_bwd_kernel(
         # (a) Restore the rows the chunk wrote.
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok_ok = (t0 + ii) < T
-            tok = (b.to(tl.int64) * T + t0 + ii) * H + h
-            went = tok[:, None] * W + ow[None, :]
-            wm = tok_ok[:, None] & (ow[None, :] < W)
-            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
-            ok = wm & (s >= 0) & (s < S)
+            tok, tok_ok = token_rows(b, h, T, H, t0, ii)
+            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
             rk = tl.load(rank + went, mask=ok, other=-1)
             npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
             first = ok & (rk == 0)
@@ -114,12 +109,8 @@ def _recurrence_bwd_kernel(
         # (b) ddelta, dscatter_w, drow_decay from dM at the chunk's end.
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok_ok = (t0 + ii) < T
-            tok = (b.to(tl.int64) * T + t0 + ii) * H + h
-            went = tok[:, None] * W + ow[None, :]
-            wm = tok_ok[:, None] & (ow[None, :] < W)
-            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
-            ok = wm & (s >= 0) & (s < S)
+            tok, tok_ok = token_rows(b, h, T, H, t0, ii)
+            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
             rk = tl.load(rank + went, mask=ok, other=-1)
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
             dm1 = tl.load(dbank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0)
@@ -134,8 +125,8 @@ def _recurrence_bwd_kernel(
         tl.debug_barrier()
         # (c) du = X^T ddelta + QX^T dout.
         ci = tl.arange(0, C)
-        tok_c = (b.to(tl.int64) * T + t0 + ci) * H + h
-        ok_c = ((t0 + ci) < T)[:, None]
+        tok_c, ok_c = token_rows(b, h, T, H, t0, ci)
+        ok_c = ok_c[:, None]
         dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)
         if HAS_DOUT:
             do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0).to(tl.float32)
@@ -146,18 +137,14 @@ def _recurrence_bwd_kernel(
             acc = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
             if HAS_DOUT:
                 acc = tl.dot(tl.load(QX + xo), do, acc, input_precision="ieee")
-            tok_r = (b.to(tl.int64) * T + t0 + ri) * H + h
-            tl.store(du + tok_r[:, None] * D + cols[None, :], acc, mask=((t0 + ri) < T)[:, None])
+            tok_r, ok_r = token_rows(b, h, T, H, t0, ri)
+            tl.store(du + tok_r[:, None] * D + cols[None, :], acc, mask=ok_r[:, None])
         tl.debug_barrier()
         # (d) dv, dgather_w, dgather_r; dM at the written rows (rank 0).
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok_ok = (t0 + ii) < T
-            tok = (b.to(tl.int64) * T + t0 + ii) * H + h
-            went = tok[:, None] * W + ow[None, :]
-            wm = tok_ok[:, None] & (ow[None, :] < W)
-            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
-            ok = wm & (s >= 0) & (s < S)
+            tok, tok_ok = token_rows(b, h, T, H, t0, ii)
+            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
             rk = tl.load(rank + went, mask=ok, other=-1)
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
             duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
@@ -167,10 +154,7 @@ def _recurrence_bwd_kernel(
             ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
             m0 = tl.load(ptr, mask=ok[:, :, None], other=0.0).to(tl.float32)
             tl.store(p_gw + went * NB + pid_c, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
-            rent = tok[:, None] * R + orr[None, :]
-            rm = tok_ok[:, None] & (orr[None, :] < R)
-            q = tl.load(read_idx + rent, mask=rm, other=-1).to(tl.int64)
-            qok = rm & (q >= 0) & (q < S)
+            rent, rm, q, qok = entry_tile(read_idx, tok, tok_ok, R, RP, S)
             rrk = tl.load(read_rank + rent, mask=qok, other=0)
             rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
             qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :], mask=qok[:, :, None],
@@ -193,14 +177,10 @@ def _recurrence_bwd_kernel(
         for k in range(1, npass + rpass):
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
-                tok_ok = (t0 + ii) < T
-                tok = (b.to(tl.int64) * T + t0 + ii) * H + h
+                tok, tok_ok = token_rows(b, h, T, H, t0, ii)
                 bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
                 if k < npass:
-                    went = tok[:, None] * W + ow[None, :]
-                    wm = tok_ok[:, None] & (ow[None, :] < W)
-                    s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
-                    ok = wm & (s >= 0) & (s < S)
+                    went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
                     rk = tl.load(rank + went, mask=ok, other=-1)
                     mine = ok & (rk == k)
                     gw = tl.load(gather_w + went, mask=mine, other=0.0)
@@ -212,10 +192,7 @@ def _recurrence_bwd_kernel(
                 else:
                     # Read entries: names differ from the branch above (tiles of another shape).
                     if HAS_DOUT:
-                        r_ent = tok[:, None] * R + orr[None, :]
-                        r_m = tok_ok[:, None] & (orr[None, :] < R)
-                        r_s = tl.load(read_idx + r_ent, mask=r_m, other=-1).to(tl.int64)
-                        r_ok = r_m & (r_s >= 0) & (r_s < S)
+                        r_ent, r_m, r_s, r_ok = entry_tile(read_idx, tok, tok_ok, R, RP, S)
                         r_rk = tl.load(read_rank + r_ent, mask=r_ok, other=-1)
                         r_mine = r_ok & (r_rk == k - npass)
                         r_g = tl.load(gather_r + r_ent, mask=r_mine, other=0.0)

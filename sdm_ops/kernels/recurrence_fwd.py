@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._tiles import entry_tile, token_rows
+
 BLOCK_D = 16          # columns per program; also the snapshot quantization group
 _ROWS = 32            # rows of X per dot in step 2
 _NUM_WARPS = 4
@@ -110,8 +112,6 @@ def _recurrence_fwd_kernel(
     h = p % H
     bank_p = bank + (b.to(tl.int64) * H + h) * S * D
     scratch_p = scratch + p.to(tl.int64) * C * D
-    ow = tl.arange(0, WP)
-    orr = tl.arange(0, RP)
     N = tl.cdiv(T, C)
     for n in range(0, N):
         t0 = n * C
@@ -119,12 +119,8 @@ def _recurrence_fwd_kernel(
         # (1) Gathers: retrieved, inter, res = v - retrieved, snapshot.
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok_ok = (t0 + ii) < T
-            tok = (b.to(tl.int64) * T + t0 + ii) * H + h                   # [TB]
-            went = tok[:, None] * W + ow[None, :]                          # [TB, WP]
-            wm = tok_ok[:, None] & (ow[None, :] < W)
-            s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
-            ok = wm & (s >= 0) & (s < S)
+            tok, tok_ok = token_rows(b, h, T, H, t0, ii)                   # [TB]
+            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)  # [TB, WP]
             g = tl.load(gather_w + went, mask=ok, other=0.0)
             rk = tl.load(rank + went, mask=ok, other=0)
             npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
@@ -133,10 +129,7 @@ def _recurrence_fwd_kernel(
             retrieved = tl.sum(g[:, :, None] * rows, 1)                    # [TB, BD]
             if SNAPSHOT:
                 _store_snapshot(snap, snap_scale, went, rows, wm, c0, cols, D, BD, MODE)
-            rent = tok[:, None] * R + orr[None, :]
-            rm = tok_ok[:, None] & (orr[None, :] < R)
-            q = tl.load(read_idx + rent, mask=rm, other=-1).to(tl.int64)
-            qok = rm & (q >= 0) & (q < S)
+            rent, rm, q, qok = entry_tile(read_idx, tok, tok_ok, R, RP, S)
             gq = tl.load(gather_r + rent, mask=qok, other=0.0)
             qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :],
                             mask=qok[:, :, None], other=0.0).to(tl.float32)
@@ -148,8 +141,7 @@ def _recurrence_fwd_kernel(
         tl.debug_barrier()
         # (2) Dual matmul: delta = X u, out = inter + QX u.
         ci = tl.arange(0, C)
-        tok_c = (b.to(tl.int64) * T + t0 + ci) * H + h
-        ok_c = (t0 + ci) < T
+        tok_c, ok_c = token_rows(b, h, T, H, t0, ci)
         bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
         uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :], mask=ok_c[:, None],
                                    other=0.0)
@@ -159,8 +151,8 @@ def _recurrence_fwd_kernel(
             xo = x_base + ri[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
             qx = tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
-            tok_r = (b.to(tl.int64) * T + t0 + ri) * H + h
-            ok_r = ((t0 + ri) < T)[:, None]
+            tok_r, ok_r = token_rows(b, h, T, H, t0, ri)
+            ok_r = ok_r[:, None]
             o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
             tl.store(delta + tok_r[:, None] * D + cols[None, :], dl, mask=ok_r)
             tl.store(out + tok_r[:, None] * D + cols[None, :], o.to(out.dtype.element_ty), mask=ok_r)
@@ -169,12 +161,8 @@ def _recurrence_fwd_kernel(
         for k in range(0, npass):
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
-                tok_ok = (t0 + ii) < T
-                tok = (b.to(tl.int64) * T + t0 + ii) * H + h
-                went = tok[:, None] * W + ow[None, :]
-                wm = tok_ok[:, None] & (ow[None, :] < W)
-                s = tl.load(write_idx + went, mask=wm, other=-1).to(tl.int64)
-                ok = wm & (s >= 0) & (s < S)
+                tok, tok_ok = token_rows(b, h, T, H, t0, ii)
+                went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
                 rk = tl.load(rank + went, mask=ok, other=-1)
                 mine = ok & (rk == k)
                 sw = tl.load(scatter_w + went, mask=mine, other=0.0)
