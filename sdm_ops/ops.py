@@ -23,9 +23,31 @@ from .meta import product_key_topk as product_key_topk_meta
 from .meta import recurrence as recurrence_meta
 from .meta import wy_solve as wy_solve_meta
 
+
+
+def _reference_op(name: str, fn, fake, mutates_args=()):
+    """Register ``fn`` (the reference) as the opaque custom op ``sdm::<name>_reference``.
+
+    The CPU branch of a triton_op body calls it: torch.compile traces triton_op bodies, and
+    tracing the reference itself would unroll its loop over chunks (a recompilation for every
+    chunk count); an opaque op with a fake compiles once for all shapes."""
+    op = torch.library.custom_op(f"sdm::{name}_reference", fn, mutates_args=mutates_args)
+    op.register_fake(fake)
+    return op
+
+
 # ---------------------------------------------------------------------------
 # sdm::wy_solve
 # ---------------------------------------------------------------------------
+
+
+def _wy_solve_cpu(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
+    """The CPU path of ``sdm::wy_solve``: the reference."""
+    X, QX = reference.wy_solve_reference(A, beta, QK)
+    return X.contiguous(), QX.contiguous()
+
+
+_wy_solve_reference = _reference_op("wy_solve", _wy_solve_cpu, wy_solve_meta.wy_solve_fake, ())
 
 
 @triton_op("sdm::wy_solve", mutates_args=())
@@ -36,8 +58,18 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
         X, QX = A.new_empty(A.shape), A.new_empty(A.shape)
         k.wy_solve_fwd(A, beta, QK, X, QX)
         return X, QX
-    X, QX = reference.wy_solve_reference(A, beta, QK)
-    return X.contiguous(), QX.contiguous()
+    return _wy_solve_reference(A, beta, QK)
+
+
+def _wy_solve_backward_cpu(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor,
+                           dQX: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU path of ``sdm::wy_solve_backward``: the reference."""
+    dA, dbeta, dQK = reference.wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
+    return dA.contiguous(), dbeta.contiguous(), dQK.contiguous()
+
+
+_wy_solve_backward_reference = _reference_op(
+    "wy_solve_backward", _wy_solve_backward_cpu, wy_solve_meta.wy_solve_backward_fake, ())
 
 
 @triton_op("sdm::wy_solve_backward", mutates_args=())
@@ -49,8 +81,7 @@ def wy_solve_backward(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor
         dA, dbeta, dQK = A.new_empty(A.shape), beta.new_empty(beta.shape), A.new_empty(A.shape)
         k.wy_solve_bwd(A, beta, QK, X, dX, dQX, dA, dbeta, dQK)
         return dA, dbeta, dQK
-    dA, dbeta, dQK = reference.wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
-    return dA.contiguous(), dbeta.contiguous(), dQK.contiguous()
+    return _wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
 
 
 def _wy_solve_setup(ctx, inputs, output):
@@ -74,6 +105,16 @@ wy_solve.register_autograd(_wy_solve_grad, setup_context=_wy_solve_setup)
 # ---------------------------------------------------------------------------
 
 
+def _product_key_topk_cpu(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, Tensor]:
+    """The CPU path of ``sdm::product_key_topk``: the reference."""
+    val, lin = reference.product_key_topk_reference(raw, tuple(factors), k)
+    return val.contiguous(), lin.contiguous()
+
+
+_product_key_topk_reference = _reference_op(
+    "product_key_topk", _product_key_topk_cpu, product_key_topk_meta.product_key_topk_fake, ())
+
+
 @triton_op("sdm::product_key_topk", mutates_args=())
 def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k over product keys: raw [..., sum(factors)] -> (val, lin) [..., kk]."""
@@ -86,8 +127,19 @@ def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, T
         kern.product_key_topk_fwd(raw.reshape(-1, raw.shape[-1]), list(factors), k,
                                   val.view(-1, kk), lin.view(-1, kk))
         return val, lin
-    val, lin = reference.product_key_topk_reference(raw, tuple(factors), k)
-    return val.contiguous(), lin.contiguous()
+    return _product_key_topk_reference(raw, factors, k)
+
+
+def _product_key_topk_backward_cpu(lin: Tensor, grad_val: Tensor, factors: list[int],
+                                   dtype: torch.dtype) -> Tensor:
+    """The CPU path of ``sdm::product_key_topk_backward``: the reference."""
+    grad = reference.product_key_topk_backward_reference(lin, grad_val, tuple(factors))
+    return grad.to(dtype).contiguous()
+
+
+_product_key_topk_backward_reference = _reference_op(
+    "product_key_topk_backward", _product_key_topk_backward_cpu,
+    product_key_topk_meta.product_key_topk_backward_fake, ())
 
 
 @triton_op("sdm::product_key_topk_backward", mutates_args=())
@@ -102,8 +154,7 @@ def product_key_topk_backward(lin: Tensor, grad_val: Tensor, factors: list[int],
         kern.product_key_topk_bwd(lin.reshape(-1, kk), grad_val.reshape(-1, kk), list(factors),
                                   grad.view(-1, width))
         return grad
-    grad = reference.product_key_topk_backward_reference(lin, grad_val, tuple(factors))
-    return grad.to(dtype).contiguous()
+    return _product_key_topk_backward_reference(lin, grad_val, factors, dtype)
 
 
 def _topk_setup(ctx, inputs, output):
@@ -117,7 +168,8 @@ def _topk_grad(ctx, grad_val, _grad_lin):
     (lin,) = ctx.saved_tensors
     if grad_val is None:
         grad_val = torch.zeros(lin.shape, dtype=ctx.dtype, device=lin.device)
-    grad = torch.ops.sdm.product_key_topk_backward(lin, grad_val.contiguous(), ctx.factors, ctx.dtype)
+    grad = torch.ops.sdm.product_key_topk_backward(lin, grad_val.contiguous(), ctx.factors,
+                                                   ctx.dtype)
     return grad, None, None
 
 
@@ -128,6 +180,19 @@ product_key_topk.register_autograd(_topk_grad, setup_context=_topk_setup)
 # ---------------------------------------------------------------------------
 # The recurrence: sdm::chunk_prepare (phase 1), sdm::wy_solve, sdm::recurrence_fwd (phase 2)
 # ---------------------------------------------------------------------------
+
+
+def _chunk_prepare_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
+                       decay: Tensor | None, bank_rows: int, chunk_size: int
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The CPU path of ``sdm::chunk_prepare``: the reference."""
+    prep = reference.chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay,
+                                             bank_rows, chunk_size)
+    return tuple(x.contiguous() for x in prep)
+
+
+_chunk_prepare_reference = _reference_op(
+    "chunk_prepare", _chunk_prepare_cpu, recurrence_meta.chunk_prepare_fake, ())
 
 
 @triton_op("sdm::chunk_prepare", mutates_args=())
@@ -142,9 +207,25 @@ def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: 
                                                   bank_rows, chunk_size)
         k.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, *outs)
         return outs
-    prep = reference.chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay,
-                                             bank_rows, chunk_size)
-    return tuple(x.contiguous() for x in prep)
+    return _chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows,
+                                    chunk_size)
+
+
+def _recurrence_fwd_cpu(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
+                        gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
+                        rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
+                        snapshot: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The CPU path of ``sdm::recurrence_fwd``: the reference."""
+    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
+    res = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank,
+                                             snapshot)
+    out, bank_out, snap, snap_scale, resid, delta = res
+    return (out.to(v.dtype).contiguous(), bank_out.to(bank.dtype).contiguous(), snap.contiguous(),
+            snap_scale.contiguous(), resid.contiguous(), delta.contiguous())
+
+
+_recurrence_fwd_reference = _reference_op(
+    "recurrence_fwd", _recurrence_fwd_cpu, recurrence_meta.recurrence_fwd_fake, ())
 
 
 @triton_op("sdm::recurrence_fwd", mutates_args=())
@@ -165,11 +246,25 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                          rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot)
         return out, bank_out, snap, snap_scale, res, delta
+    return _recurrence_fwd_reference(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
+                                     row_decay, rank, read_rank, X, QX, bank, snapshot)
+
+
+def _recurrence_fwd_inplace_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor,
+                                read_idx: Tensor, gather_w: Tensor, gather_r: Tensor,
+                                scatter_w: Tensor, row_decay: Tensor, rank: Tensor, X: Tensor,
+                                QX: Tensor) -> Tensor:
+    """The CPU path of ``sdm::recurrence_fwd_``: the reference."""
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
-    res = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank, snapshot)
-    out, bank_out, snap, snap_scale, resid, delta = res
-    return (out.to(v.dtype).contiguous(), bank_out.to(bank.dtype).contiguous(), snap.contiguous(),
-            snap_scale.contiguous(), resid.contiguous(), delta.contiguous())
+    out, bank_out = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX,
+                                                       bank)[:2]
+    bank.copy_(bank_out)
+    return out.to(v.dtype).contiguous()
+
+
+_recurrence_fwd_inplace_reference = _reference_op(
+    "recurrence_fwd_inplace", _recurrence_fwd_inplace_cpu,
+    recurrence_meta.recurrence_fwd_inplace_fake, ("bank",))
 
 
 @triton_op("sdm::recurrence_fwd_", mutates_args=("bank",))
@@ -186,11 +281,8 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                          rank, X, QX, bank, out, res, delta, None, None, None)
         return out
-    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
-    out, bank_out = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX,
-                                                       bank)[:2]
-    bank.copy_(bank_out)
-    return out.to(v.dtype).contiguous()
+    return _recurrence_fwd_inplace_reference(bank, v, beta, write_idx, read_idx, gather_w,
+                                             gather_r, scatter_w, row_decay, rank, X, QX)
 
 
 chunk_prepare.register_fake(recurrence_meta.chunk_prepare_fake)
@@ -208,13 +300,36 @@ def _no_double_backward(name: str) -> None:
                            "is not differentiable); do not pass create_graph=True")
 
 
+def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
+                        gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
+                        read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
+                        bank_out: Tensor, snap: Tensor, snap_scale: Tensor, snapshot: str,
+                        dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                   Tensor]:
+    """The CPU path of ``sdm::recurrence_bwd``: the reference."""
+    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
+    B, T, H, D = res.shape
+    v_like = res.new_empty((B, T, H, D))
+    grads = reference.recurrence_bwd_reference(v_like, beta, write_idx, read_idx, prep, X, QX,
+                                               bank_out, snap, snap_scale, snapshot, res, delta,
+                                               dout, dbank_out)
+    dv, rest = grads[0].to(v_dtype), grads[1:]
+    return (dv.contiguous(),) + tuple(g.contiguous() for g in rest)
+
+
+_recurrence_bwd_reference = _reference_op(
+    "recurrence_bwd", _recurrence_bwd_cpu, recurrence_meta.recurrence_bwd_fake, ())
+
+
 @triton_op("sdm::recurrence_bwd", mutates_args=())
 def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
                    gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
                    read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
                    bank_out: Tensor, snap: Tensor, snap_scale: Tensor, snapshot: str,
                    dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                              Tensor]:
     """Backward of ``sdm::recurrence_fwd``: (dv, dbeta, dgather_w, dgather_r, dscatter_w,
     drow_decay, dX, dQX, dbank [B, H, S, D]); see ``kernels/recurrence_bwd.py``."""
     if use_kernels(res):
@@ -229,14 +344,9 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
             X, QX, res, delta, snap, snap_scale, snapshot, dout, bank, dbank, dv, dX, dQX, dbeta)
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
-    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
-    B, T, H, D = res.shape
-    v_like = res.new_empty((B, T, H, D))
-    grads = reference.recurrence_bwd_reference(v_like, beta, write_idx, read_idx, prep, X, QX,
-                                               bank_out, snap, snap_scale, snapshot, res, delta,
-                                               dout, dbank_out)
-    dv, rest = grads[0].to(v_dtype), grads[1:]
-    return (dv.contiguous(),) + tuple(g.contiguous() for g in rest)
+    return _recurrence_bwd_reference(beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
+                                     row_decay, rank, read_rank, X, QX, res, delta, bank_out, snap,
+                                     snap_scale, snapshot, dout, dbank_out, v_dtype)
 
 
 def _recurrence_fwd_setup(ctx, inputs, output):
@@ -270,6 +380,24 @@ recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
 recurrence_fwd.register_autograd(_recurrence_fwd_grad, setup_context=_recurrence_fwd_setup)
 
 
+def _chunk_prepare_backward_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor,
+                                read_w: Tensor, decay: Tensor | None, bank_rows: int, dA: Tensor,
+                                dQK: Tensor, d_gather_w: Tensor, d_gather_r: Tensor,
+                                d_scatter_w: Tensor, d_row_decay: Tensor
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU path of ``sdm::chunk_prepare_backward``: the reference."""
+    dww, drw, ddc = reference.chunk_prepare_backward_reference(
+        write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w, d_gather_r,
+        d_scatter_w, d_row_decay)
+    ddc = write_w.new_empty(0, dtype=dww.dtype) if ddc is None else ddc
+    return dww.contiguous(), drw.contiguous(), ddc.contiguous()
+
+
+_chunk_prepare_backward_reference = _reference_op(
+    "chunk_prepare_backward", _chunk_prepare_backward_cpu,
+    recurrence_meta.chunk_prepare_backward_fake, ())
+
+
 @triton_op("sdm::chunk_prepare_backward", mutates_args=())
 def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
                            decay: Tensor | None, bank_rows: int, dA: Tensor, dQK: Tensor,
@@ -286,11 +414,9 @@ def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor,
                             d_gather_w, d_gather_r, d_scatter_w, d_row_decay, dww,
                             None if decay is None else ddc, drw)
         return dww, drw, ddc
-    dww, drw, ddc = reference.chunk_prepare_backward_reference(
-        write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w, d_gather_r,
-        d_scatter_w, d_row_decay)
-    ddc = write_w.new_empty(0, dtype=dww.dtype) if ddc is None else ddc
-    return dww.contiguous(), drw.contiguous(), ddc.contiguous()
+    return _chunk_prepare_backward_reference(write_idx, write_w, read_idx, read_w, decay,
+                                             bank_rows, dA, dQK, d_gather_w, d_gather_r,
+                                             d_scatter_w, d_row_decay)
 
 
 def _chunk_prepare_setup(ctx, inputs, output):
@@ -305,11 +431,14 @@ def _chunk_prepare_grad(ctx, dA, dQK, dgw, dgr, dsw, drd, *_):
     wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
 
     def grad(g, like):
-        return torch.zeros(like, dtype=wd, device=write_w.device) if g is None else g.contiguous().to(wd)
+        if g is None:
+            return torch.zeros(like, dtype=wd, device=write_w.device)
+        return g.contiguous().to(wd)
 
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
-    N, C = dA.shape[2] if dA is not None else dQK.shape[2], (dA if dA is not None else dQK).shape[-1]
+    chunk_grad = dA if dA is not None else dQK
+    N, C = chunk_grad.shape[2], chunk_grad.shape[-1]
     chunks = (B, H, N, C, C)
     dww, drw, ddc = torch.ops.sdm.chunk_prepare_backward(
         write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows, grad(dA, chunks),

@@ -360,7 +360,8 @@ def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:
     """Snapshot rows [..., D] (float32) in ``mode``: (codes, scales [..., D / 16] or empty).
 
     none: the rows unchanged (callers store them in the bank dtype); bf16: rounded to bfloat16;
-    fp8: float8_e4m3fn codes of rows / scale with scale = amax / 448 per group of 16 columns;
+    fp8: float8_e4m3fn codes of rows / scale, with scale = amax / 448 per group of 16 columns,
+    stored as their bit patterns (uint8);
     int4: round-half-up(rows / scale) in [-7, 7], scale = amax / 7, stored + 8 two per byte
     (even column in the low nibble). A group of zeros gets scale 1.
     """
@@ -374,6 +375,7 @@ def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:
     x = g / scale
     if mode == "fp8":
         codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(rows.shape)
+        codes = codes.view(torch.uint8)
     else:
         q = (torch.floor(x + 0.5).clamp(-INT4_MAX, INT4_MAX) + 8).to(torch.uint8).reshape(rows.shape)
         codes = q[..., 0::2] | (q[..., 1::2] << 4)
@@ -385,7 +387,7 @@ def dequantize_rows(codes: Tensor, scale: Tensor, mode: str) -> Tensor:
     if mode in ("none", "bf16"):
         return codes.to(torch.float32)
     if mode == "fp8":
-        x = codes.to(torch.float32)
+        x = codes.view(torch.float8_e4m3fn).to(torch.float32)
     else:
         lo = (codes & 15).to(torch.float32) - 8
         hi = (codes >> 4).to(torch.float32) - 8

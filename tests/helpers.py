@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -84,3 +85,21 @@ def to_float64(args: dict) -> dict:
     """The same arguments with every floating tensor in float64 on the CPU (the oracle's)."""
     return {k: (v.detach().cpu().to(torch.float64) if v.is_floating_point() else v.cpu())
             for k, v in args.items()}
+
+
+def make_wy_inputs(n: int, c: int, seed: int, device="cpu", requires_grad=False):
+    """(A, beta, QK), float32: A ~ 0.5 randn / sqrt(C) and beta in (0, 1), so X stays of
+    order one; QK ~ randn / sqrt(C)."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(n, c, c, generator=g) * (0.5 / math.sqrt(c))
+    beta = torch.rand(n, c, generator=g) * 0.98 + 0.01
+    QK = torch.randn(n, c, c, generator=g) / math.sqrt(c)
+    return tuple(t.to(device).requires_grad_(requires_grad) for t in (A, beta, QK))
+
+
+def make_raw(shape, factors, seed: int, device="cpu", dtype=torch.float32,
+             requires_grad=False):
+    """Product-key scores [*shape, sum(factors)] with distinct values (no ties)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randn(*shape, sum(factors), generator=g).to(dtype)
+    return raw.to(device).requires_grad_(requires_grad)

@@ -266,8 +266,7 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
         return p_gw.sum(-1), p_gr.sum(-1), p_sw.sum(-1), p_rd.sum(-1)
     wrap_triton(_recurrence_bwd_kernel)[(B * H, nb)](
         beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-        X, QX, bank, snap.view(torch.uint8) if snapshot == "fp8" else snap,
-        snap_scale if snap_scale.numel() else gather_w, delta,
+        X, QX, bank, snap, snap_scale if snap_scale.numel() else gather_w, delta,
         dout if has_dout else delta,
         dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
         T, H, S,

@@ -20,7 +20,8 @@ Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
 X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; res, delta [B, T, H, D]
 float32; scratch [B * H, C, D] float32; snapshot rows [B, T, H, W, D] (none: bank dtype,
-bf16: bfloat16, fp8: float8_e4m3fn) or [B, T, H, W, D / 2] uint8 (int4), with scales
+bf16: bfloat16, fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, W, D / 2] uint8
+(int4), with scales
 [B, T, H, W, D / 16] float32 for fp8 and int4 (one per 16 columns, see
 ``reference.quantize_rows``). Indices outside [0, S) are masked: they read and write nothing.
 Bank offsets are 64-bit.
@@ -80,8 +81,8 @@ def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
             scale = tl.where(amax > 0, amax / 448.0, 1.0)
             x = rows / scale[:, :, None]
             x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-            code = _e4m3_bits(x).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-            tl.store(snap + ent[:, :, None] * D + cols[None, None, :], code, mask=ok[:, :, None])
+            tl.store(snap + ent[:, :, None] * D + cols[None, None, :], _e4m3_bits(x).to(tl.uint8),
+                     mask=ok[:, :, None])
         else:
             scale = tl.where(amax > 0, amax / 7.0, 1.0)
             x = tl.floor(rows / scale[:, :, None] + 0.5)

@@ -24,7 +24,7 @@ def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, W: int, D: 
         return rows, torch.bfloat16, (0,)
     scales = (B, T, H, W, D // QUANT_GROUP)
     if mode == "fp8":
-        return rows, torch.float8_e4m3fn, scales
+        return rows, torch.uint8, scales      # float8_e4m3fn bit patterns
     return (B, T, H, W, D // 2), torch.uint8, scales
 
 

@@ -1,0 +1,63 @@
+"""torch.compile tests of sdm_ops: fullgraph forward and backward equal to eager, dynamic
+shapes compiling once, Inductor's output code holding the operators' Triton kernels (CUDA),
+CUDA graph capture of decode steps (CUDA).
+
+Shared here: which Triton kernels a launcher starts, read from its source, so the tests follow
+the kernel modules as they change; and the ``fresh_dynamo`` fixture.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+
+import pytest
+import torch
+import triton
+
+
+try:  # what ``triton.jit`` returns under TRITON_INTERPRET=1
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:
+    InterpretedFunction = triton.JITFunction
+JIT_TYPES = (triton.JITFunction, InterpretedFunction)
+
+
+def _jit_function(obj):
+    """The ``@triton.jit`` function behind ``obj`` (through autotuners and heuristics)."""
+    while obj is not None and not isinstance(obj, JIT_TYPES):
+        obj = getattr(obj, "fn", None)
+    return obj
+
+
+def launched_kernels(launcher: types.FunctionType | types.ModuleType) -> list[str]:
+    """Names of the ``@triton.jit`` functions that ``launcher`` (a launcher function or a whole
+    kernel module) starts through ``wrap_triton(...)``, in source order, without repeats."""
+    names = re.findall(r"wrap_triton\(\s*(\w+)\s*\)", inspect.getsource(launcher))
+    scope = vars(launcher) if isinstance(launcher, types.ModuleType) else launcher.__globals__
+    kernels = []
+    for name in names:
+        fn = _jit_function(scope.get(name))
+        assert fn is not None, f"{launcher.__name__} launches {name}, not a @triton.jit function"
+        if fn.__name__ not in kernels:
+            kernels.append(fn.__name__)
+    assert kernels, f"found no wrap_triton launch in {launcher.__name__}"
+    return kernels
+
+
+def assert_kernels_in_code(kernels: list[str], codes: list[str], what: str) -> None:
+    """Each kernel name appears in Inductor's output code (``run_and_get_code``'s strings)."""
+    code = "\n".join(codes)
+    missing = [k for k in kernels if k not in code]
+    assert not missing, (f"{what}: Inductor's output code ({len(codes)} module(s)) lacks the "
+                         f"Triton kernels {missing}; expected all of {kernels}")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles and counts its own graphs: Dynamo forgets earlier compilations
+    before and after it (autouse in every module that imports it)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

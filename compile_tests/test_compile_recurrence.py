@@ -1,0 +1,168 @@
+"""``torch.compile`` of the recurrence: ``sparse_delta_memory`` with ``fullgraph=True,
+dynamic=True`` over three sequence lengths compiling once and equal to eager, forward and
+backward;
+the in-place ``sparse_delta_memory_`` compiled equal to eager; out-of-range indices in compiled
+code neither raising nor crashing but counting as padding; and on CUDA, CUDA graph capture of
+decode steps and the recurrence's Triton kernels in Inductor's output code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.utils import run_and_get_code
+
+import sdm_ops
+from compile_tests import assert_kernels_in_code, launched_kernels
+from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from tests.helpers import assert_close, make_sdm_inputs, requires_cuda
+
+RTOL = 1e-5     # compiled against eager: float32 rounding
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+B, H, D, S, W, R = 1, 2, 16, 32, 3, 2      # B * H = 2 streams
+CHUNK = 16
+
+
+def sdm_inputs(T: int, device: str, seed: int, **kwargs) -> dict:
+    opts = dict(decay=True, shared=False) | kwargs
+    return make_sdm_inputs(B, T, H, D, S, W, R, seed=seed, device=device, **opts)
+
+
+def run_sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
+    return sdm_ops.sparse_delta_memory(v, beta, write_idx, write_w, read_idx, read_w, bank,
+                                       decay, chunk_size=CHUNK)
+
+
+def run_sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None):
+    return sdm_ops.sparse_delta_memory_(bank, v, beta, write_idx, write_w, read_idx, read_w,
+                                        decay, chunk_size=CHUNK)
+
+
+def seq_args(a: dict) -> tuple:
+    """The inputs of ``run_sdm_inplace`` after the bank, from ``make_sdm_inputs``' dict."""
+    return tuple(a.get(k) for k in ("v", "beta", "write_idx", "write_w", "read_idx", "read_w",
+                                    "decay"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_sequence_lengths_compile_once_and_match_eager(device):
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(run_sdm, backend=counter, fullgraph=True, dynamic=True)
+    for T in (40, 57, 90):
+        a = sdm_inputs(T, device, seed=T)
+        out, bank = compiled(**a)
+        want_out, want_bank = run_sdm(**a)
+        assert_close(out, want_out, rtol=RTOL, name=f"out (T={T})")
+        assert_close(bank, want_bank, rtol=RTOL, name=f"bank (T={T})")
+    assert counter.frame_count == 1, (f"compiled {counter.frame_count} times over T = 40, 57, "
+                                      f"90; dynamic shapes should compile once")
+
+
+FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
+
+
+def sdm_loss(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, g_out, g_bank):
+    out, new_bank = run_sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay)
+    return (out * g_out).sum() + (new_bank * g_bank).sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_lengths_forward_and_backward_compile_once_and_match_eager(device):
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(sdm_loss, backend=counter, fullgraph=True, dynamic=True)
+    for T in (40, 57, 90):
+        a = sdm_inputs(T, device, seed=100 + T)
+        g = torch.Generator().manual_seed(T)
+        g_out = torch.randn(a["v"].shape, generator=g).to(device)
+        g_bank = torch.randn(B, H, S, D, generator=g).to(device)
+        grads = []
+        for fn in (compiled, sdm_loss):
+            leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS}
+            loss = fn(**dict(a, **leaves), g_out=g_out, g_bank=g_bank)
+            grads.append(torch.autograd.grad(loss, [leaves[k] for k in FLOATS]))
+        for name, got, want in zip(FLOATS, *grads):
+            assert_close(got, want, rtol=RTOL, name=f"d{name} (T={T})")
+    assert counter.frame_count == 1, (f"compiled {counter.frame_count} times over T = 40, 57, "
+                                      f"90 with gradients; dynamic shapes should compile once")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fullgraph_inplace_matches_eager_out_and_bank(device):
+    a = sdm_inputs(27, device, seed=1, shared=False, index_dtype=torch.int32)  # 2 chunks
+    compiled = torch.compile(run_sdm_inplace, fullgraph=True)
+    bank, want_bank = a["bank"].clone(), a["bank"].clone()
+    out = compiled(bank, *seq_args(a))
+    want_out = run_sdm_inplace(want_bank, *seq_args(a))
+    assert_close(out, want_out, rtol=RTOL, name="out")
+    assert_close(bank, want_bank, rtol=RTOL, name="bank updated in place")
+    assert not torch.equal(bank, a["bank"]), "the compiled call left the bank unchanged"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_out_of_range_indices_do_not_raise_and_count_as_padding(device):
+    a = sdm_inputs(20, device, seed=2)
+    bad, padded = dict(a), dict(a)
+    for name, pos, value in (("write_idx", (0, 5, 1, 0), S + 5), ("read_idx", (0, 9, 0, 1), -7)):
+        bad[name], padded[name] = a[name].clone(), a[name].clone()
+        bad[name][pos] = value
+        padded[name][pos] = -1
+    with pytest.raises(ValueError, match="write_idx"):      # eager mode checks the indices
+        run_sdm(**bad)
+    out, bank = torch.compile(run_sdm, fullgraph=True)(**bad)
+    want_out, want_bank = run_sdm(**padded)
+    assert_close(out, want_out, rtol=RTOL, name="out")
+    assert_close(bank, want_bank, rtol=RTOL, name="bank")
+
+
+@requires_cuda
+def test_cuda_graph_decode_steps_replay_equal_eager_steps():
+    steps, batch, heads = 6, 2, 2                   # B * H = 4 streams, T = 1 per step
+    a = make_sdm_inputs(batch, steps, heads, D, S, W, R, seed=3, decay=True, shared=False,
+                        device="cuda")
+    tokens = seq_args(a)
+    static_in = tuple(t[:, :1].clone() for t in tokens)
+    bank = a["bank"].clone()
+
+    def step(bank_, inputs):
+        return sdm_ops.sparse_delta_memory_(bank_, *inputs)
+
+    # Warm up (Triton compilation, allocator) on a side stream, as torch.cuda.graph requires.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        scratch = bank.clone()
+        for _ in range(2):
+            step(scratch, static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(bank, static_in)
+
+    eager_bank = a["bank"].clone()
+    for t in range(steps):
+        for buf, src in zip(static_in, tokens):
+            buf.copy_(src[:, t:t + 1])
+        graph.replay()
+        want = step(eager_bank, tuple(src[:, t:t + 1] for src in tokens))
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out, want, rtol=0, atol=0,
+                                   msg=lambda m: f"step {t}: out differs: {m}")
+        torch.testing.assert_close(bank, eager_bank, rtol=0, atol=0,
+                                   msg=lambda m: f"step {t}: bank differs: {m}")
+
+
+@requires_cuda
+def test_inductor_code_holds_the_recurrence_triton_kernels():
+    from sdm_ops.kernels import chunk_prepare, recurrence_fwd, wy_solve
+    kernels = (launched_kernels(chunk_prepare.chunk_prepare)
+               + launched_kernels(wy_solve.wy_solve_fwd)
+               + launched_kernels(recurrence_fwd.recurrence_fwd))
+    assert {"_chunk_prepare_kernel", "_recurrence_fwd_kernel"} <= set(kernels)
+    a = sdm_inputs(40, "cuda", seed=4)
+    compiled = torch.compile(run_sdm, fullgraph=True)
+    _, codes = run_and_get_code(compiled, **a)
+    assert_kernels_in_code(kernels, codes, "sparse_delta_memory")
+    bank = a["bank"].clone()
+    _, codes = run_and_get_code(torch.compile(run_sdm_inplace, fullgraph=True), bank,
+                                *seq_args(a))
+    assert_kernels_in_code(kernels, codes, "sparse_delta_memory_")
