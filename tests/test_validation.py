@@ -1,0 +1,147 @@
+"""Bad input fails loudly, in eager mode, naming the argument, and writes nothing; edge cases
+that are legal work (every entry padding, NaN values, mixed index dtypes, permuted inputs)."""
+
+import pytest
+import torch
+
+import sdm_ops
+from sdm_ops import reference as ref
+from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
+                           requires_kernels, to_float64)
+
+ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
+
+
+def _args(**kw):
+    return make_sdm_inputs(B=2, T=5, H=2, D=16, S=11, W=3, R=2, **kw)
+
+
+BAD = [
+    # (argument, replacement maker, error type, text the message must contain)
+    ("v", lambda a: a["v"].double(), TypeError, "v"),
+    ("v", lambda a: a["v"][..., :15], ValueError, "D"),
+    ("v", lambda a: a["v"][0], ValueError, "v"),
+    ("v", lambda a: a["v"].tolist(), TypeError, "v"),
+    ("beta", lambda a: a["beta"][:, :4], ValueError, "beta"),
+    ("beta", lambda a: a["beta"].half(), TypeError, "beta"),
+    ("write_idx", lambda a: a["write_idx"].float(), TypeError, "write_idx"),
+    ("write_idx", lambda a: a["write_idx"][:, :, :1], ValueError, "write_idx"),
+    ("write_w", lambda a: a["write_w"][..., :2], ValueError, "write_w"),
+    ("write_w", lambda a: a["write_w"].to(torch.int32), TypeError, "write_w"),
+    ("read_idx", lambda a: a["read_idx"].to(torch.int16), TypeError, "read_idx"),
+    ("read_w", lambda a: a["read_w"][..., :1], ValueError, "read_w"),
+    ("bank", lambda a: a["bank"][..., :8], ValueError, "bank"),
+    ("bank", lambda a: a["bank"][:1], ValueError, "bank"),
+    ("bank", lambda a: a["bank"].double(), TypeError, "bank"),
+    ("decay", lambda a: a["decay"][..., :1], ValueError, "decay"),
+    ("write_idx", lambda a: torch.where(a["write_idx"] == 3, 11, a["write_idx"]), ValueError,
+     "write_idx"),
+    ("read_idx", lambda a: torch.where(a["read_idx"] == 3, -2, a["read_idx"]), ValueError,
+     "read_idx"),
+    ("bank", lambda a: a["bank"].to("meta"), ValueError, "bank"),
+]
+
+
+@pytest.mark.parametrize("name,make,error,text", BAD,
+                         ids=[f"{n}-{i}" for i, (n, *_) in enumerate(BAD)])
+def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, error, text):
+    a = _args(seed=1)
+    bad = dict(a, **{name: make(a)})
+    with pytest.raises(error, match=text):
+        sdm_ops.sparse_delta_memory(**bad)
+    if name != "bank":
+        state = a["bank"].clone()
+        before = state.clone()
+        with pytest.raises(error, match=text):
+            sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in bad.items() if k != "bank"})
+        assert torch.equal(state, before), "a rejected in-place call modified the bank"
+
+
+@pytest.mark.parametrize("option,value,error", [
+    ("chunk_size", 48, ValueError), ("chunk_size", 64.0, TypeError), ("chunk_size", True, TypeError),
+    ("snapshot", "fp16", ValueError), ("snapshot", None, ValueError)])
+def test_bad_options_raise_naming_the_option(option, value, error):
+    with pytest.raises(error, match=option):
+        sdm_ops.sparse_delta_memory(**_args(seed=2), **{option: value})
+
+
+def test_in_place_update_needs_a_contiguous_per_stream_bank():
+    a = _args(seed=3)
+    rest = {k: v for k, v in a.items() if k != "bank"}
+    with pytest.raises(ValueError, match="bank"):
+        sdm_ops.sparse_delta_memory_(a["bank"][0], **rest)           # shared [H, S, D]
+    with pytest.raises(ValueError, match="contiguous"):
+        sdm_ops.sparse_delta_memory_(a["bank"].transpose(0, 1).contiguous().transpose(0, 1), **rest)
+
+
+def test_too_many_entries_per_token_is_rejected():
+    a = make_sdm_inputs(B=1, T=2, H=1, D=16, S=5, W=65, R=2)
+    with pytest.raises(ValueError, match="64"):
+        sdm_ops.sparse_delta_memory(**a)
+
+
+def _oracle(a):
+    return ref.sdm_token_reference(*(to_float64(a).get(k) for k in ORDER))
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)],
+                         ids=["cpu_reference", "kernels"])
+def test_every_entry_padding_reads_zero_and_keeps_the_bank(kernels):
+    a = make_sdm_inputs(B=1, T=17, H=2, D=16, S=5, W=2, R=2, seed=4,
+                        device=KERNEL_DEVICE if kernels else "cpu")
+    a["write_idx"].fill_(-1)
+    a["read_idx"].fill_(-1)
+    with on_kernels() if kernels else torch.no_grad():
+        out, bank = sdm_ops.sparse_delta_memory(**a)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(bank, a["bank"])
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)],
+                         ids=["cpu_reference", "kernels"])
+def test_nan_and_inf_values_propagate_without_a_crash(kernels):
+    """A non-finite value poisons what it reaches in the recurrence and, in the chunked form,
+    the outputs of its whole chunk (its dual matmul multiplies it by zeros); earlier chunks are
+    untouched, and the NaNs are where the chunked reference has them."""
+    a = make_sdm_inputs(B=1, T=40, H=1, D=16, S=6, W=2, R=2, seed=5,
+                        device=KERNEL_DEVICE if kernels else "cpu")
+    a["v"][0, 20, 0, 2] = float("nan")
+    a["v"][0, 25, 0, 5] = float("inf")
+    with on_kernels() if kernels else torch.no_grad():
+        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+    out, bank = out.double().cpu(), bank.double().cpu()
+    # The chunked reference: sparse gathers, like the kernels (the token-by-token one works on
+    # dense keys, where 0 * inf spreads NaN to every slot).
+    out_r, bank_r = ref.sdm_chunked_reference(*(to_float64(a).get(k) for k in ORDER),
+                                              chunk_size=16)
+    assert_close(out[:, :16], out_r[:, :16], rtol=1e-5, name="the chunk before the NaN")
+    assert out[:, 20:].isnan().any()
+    assert torch.equal(out.isnan(), out_r.isnan())
+    assert torch.equal(bank.isnan(), bank_r.isnan())
+    finite = bank_r.isfinite()
+    assert_close(bank[finite], bank_r[finite], rtol=1e-5, name="finite bank rows")
+
+
+def test_mixed_int32_and_int64_indices_and_permuted_inputs():
+    a = _args(seed=6)
+    a["write_idx"] = a["write_idx"].to(torch.int32)
+    base = sdm_ops.sparse_delta_memory(**a)
+    perm = {k: (v.transpose(0, 1).contiguous().transpose(0, 1) if v.dim() >= 3 else v)
+            for k, v in a.items()}
+    assert not perm["v"].is_contiguous()
+    again = sdm_ops.sparse_delta_memory(**perm)
+    assert torch.equal(base.out, again.out) and torch.equal(base.bank, again.bank)
+    out_r, bank_r = _oracle(a)
+    assert_close(base.out, out_r, rtol=1e-5, name="out")
+    assert_close(base.bank, bank_r, rtol=1e-5, name="bank")
+
+
+def test_wy_solve_rejects_bad_arguments_naming_them():
+    A, QK = torch.randn(2, 3, 16, 16).unbind(0)
+    beta = torch.rand(3, 16)
+    for args, error, text in [((A.double(), beta, QK), TypeError, "A"),
+                              ((A, beta[:, :8], QK), ValueError, "beta"),
+                              ((A, beta, QK[:, :8]), ValueError, "QK"),
+                              ((A[0], beta, QK), ValueError, "A")]:
+        with pytest.raises(error, match=text):
+            sdm_ops.wy_solve(*args)
