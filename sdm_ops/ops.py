@@ -2,11 +2,14 @@
 
 Each operator is a ``torch.library.triton_op``. Its body launches Triton kernels (through the
 launchers of ``sdm_ops.kernels``, which use ``wrap_triton``) when ``use_kernels`` says so (CUDA
-tensors), and otherwise runs the reference of ``sdm_ops.reference``. Under ``torch.compile`` the
-body is traced, so Inductor sees the user-defined Triton kernels themselves. Every operator has
-an explicit fake in ``sdm_ops.meta``; differentiable ones register their backward, itself an
-``sdm`` operator. Operators take contiguous inputs (the public functions make them so) and
-return contiguous outputs; they do not validate arguments beyond what the kernels need.
+tensors), and otherwise calls ``sdm::<op>_reference``, an opaque ``custom_op`` running the
+reference of ``sdm_ops.reference``. Under ``torch.compile`` the body is traced, so Inductor sees
+the user-defined Triton kernels themselves (and, on CPU, one call of the reference operator).
+Every operator has an explicit fake in ``sdm_ops.meta``; the kernel branches allocate their
+outputs with those same functions, so fake and real layouts cannot drift apart. Differentiable
+operators register their backward, itself an ``sdm`` operator. Operators take contiguous inputs
+(the public functions make them so) and return contiguous outputs; they do not validate
+arguments beyond what the kernels need.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from .kernels._common import use_kernels
 from .meta import product_key_topk as product_key_topk_meta
 from .meta import recurrence as recurrence_meta
 from .meta import wy_solve as wy_solve_meta
-
 
 
 def _reference_op(name: str, fn, fake, mutates_args=()):

@@ -16,7 +16,6 @@ Conventions shared with the kernels:
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import NamedTuple
 

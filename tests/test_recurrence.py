@@ -7,7 +7,7 @@ import torch
 import sdm_ops
 from sdm_ops import ops
 from sdm_ops import reference as ref
-from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
+from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
                            requires_cuda, requires_kernels, to_float64)
 
 pytestmark = requires_kernels

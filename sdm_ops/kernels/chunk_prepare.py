@@ -32,7 +32,6 @@ result is bitwise deterministic.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
@@ -234,7 +233,6 @@ def _chunk_prepare_bwd_kernel(
     s_e = tl.load(write_idx + eo, mask=def_ok, other=-1).to(tl.int64)
     ok_e = def_ok & (s_e >= 0) & (s_e < S)
     s_e = tl.where(ok_e, s_e, -1)
-    w_e = tl.where(ok_e, tl.load(write_w + eo, mask=ok_e, other=0.0).to(tl.float32), 0.0)
     rdef_ok = (t0 + ti < T) & (wr < R)
     ro = ((b.to(tl.int64) * T + t0 + ti) * H + h) * R + wr
     s_r = tl.load(read_idx + ro, mask=rdef_ok, other=-1).to(tl.int64)

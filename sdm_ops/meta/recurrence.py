@@ -65,7 +65,6 @@ def recurrence_bwd_fake(beta, write_idx, read_idx, gather_w, gather_r, scatter_w
                         dbank_out, v_dtype):
     B, T, H, D = res.shape
     wd = res.dtype
-    t = res.new_empty((B, T, H, D), dtype=wd)
     return (res.new_empty((B, T, H, D), dtype=v_dtype), res.new_empty((B, T, H), dtype=wd),
             gather_w.new_empty(gather_w.shape, dtype=wd), gather_r.new_empty(gather_r.shape, dtype=wd),
             scatter_w.new_empty(scatter_w.shape, dtype=wd), row_decay.new_empty(row_decay.shape, dtype=wd),
