@@ -1,10 +1,12 @@
-"""The main job: store key-value pairs in a sparse delta memory and read them back.
+"""The main job: the operators on a real example, then a model that learns to recall.
 
-``python -m sdm_ops.demo`` addresses a bank of 4096 slots per head with exact product-key top-k
-(``product_key_topk``), writes 256 values with the delta rule (``sparse_delta_memory``), then
-reads every key back and reports how well the values are recalled. Along the way it checks each
-operator against the float64 reference and prints what it checked. It runs on CUDA when
-available (the Triton kernels), else on the CPU (the operators' reference path).
+``python -m sdm_ops.demo`` first addresses a bank of 4096 slots per head with exact product-key
+top-k (``product_key_topk``), writes 256 values with the delta rule (``sparse_delta_memory``),
+reads every key back, and checks each operator against the float64 reference, printing what it
+checked. Then it trains a small model built on ``sdm_ops.nn.SparseDeltaMemory`` on multi-query
+associative recall under ``torch.compile(fullgraph=True)`` (``sdm_ops.mqar``, about 2 minutes on
+2 CPU cores) and ends with ``recall accuracy: <fraction>`` on held-out sequences. It runs on CUDA
+when available (the Triton kernels), else on the CPU (the operators' reference path).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import torch
 
 import sdm_ops
+from sdm_ops import mqar
 from sdm_ops import reference as ref
 
 
@@ -28,7 +31,18 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=256)
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=600, help="MQAR training steps")
+    parser.add_argument("--no-compile", action="store_true", help="train the eager model")
     args = parser.parse_args(argv)
+    ok = check_operators(args)
+    print("training a 2-block model with SparseDeltaMemory layers on multi-query associative "
+          "recall (8 key-value pairs, then 8 queries)")
+    acc = mqar.train(args.steps, device=args.device, compile=not args.no_compile)
+    return 0 if ok and acc >= mqar.TARGET_ACCURACY else 1
+
+
+def check_operators(args) -> bool:
+    """The operators on a key-value storage example, each checked against float64."""
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     B, H, D, n = 1, args.heads, 64, args.pairs
@@ -92,8 +106,9 @@ def main(argv=None) -> int:
     print(f"  recall: median cosine {cos.median().item():.3f}, "
           f"{(cos > 0.9).float().mean().item():.1%} of keys above 0.9 "
           f"(later writes to shared slots interfere with earlier ones)")
-    print(f"done in {time.perf_counter() - t0:.1f} s: {'all checks passed' if ok else 'CHECKS FAILED'}")
-    return 0 if ok else 1
+    print(f"operators checked in {time.perf_counter() - t0:.1f} s: "
+          f"{'all checks passed' if ok else 'CHECKS FAILED'}")
+    return ok
 
 
 if __name__ == "__main__":

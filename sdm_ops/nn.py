@@ -1,0 +1,187 @@
+"""The ``SparseDeltaMemory`` layer (SPEC section 3): ``[B, T, d_model] -> [B, T, d_model]``.
+
+Per head, a read query and a write key address the bank through exact product-key top-k over
+learned sub-keys; the selected scores, softmax-normalized over the k slots, are the read and
+write weights of the sparse delta memory recurrence, which runs from a learned initial bank.
+Gradients reach every projection through ``product_key_topk``'s ``val`` and the recurrence.
+No host synchronization and no data-dependent Python control flow: the layer compiles with
+``torch.compile(fullgraph=True)`` and dynamic sequence lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import check_int, check_shape, check_tensor
+from .product_key import check_factors, product_key_topk
+from .recurrence import (CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES, sparse_delta_memory,
+                         sparse_delta_memory_)
+from .reference import SNAPSHOT_MODES
+
+MAX_SLOTS = 1 << 20
+DECAY_BIAS = 4.0        # sigmoid(4) ~ 0.982: slots start close to no decay
+
+
+class SparseDeltaMemory(nn.Module):
+    """A sparse delta memory layer: ``x [B, T, d_model] -> y [B, T, d_model]``.
+
+    For each head h, token t projects
+
+    - a read query and a write key, each ``[F, key_dim]`` (one vector per factor); factor f's
+      scores are their dots with the learned sub-keys ``sub_keys[h, f] [factors[f], key_dim]``
+      (shared by reads and writes, so a query finds the slots a matching key wrote), scaled by
+      ``key_dim ** -0.5``: ``raw [B, T, H, sum(factors)]``;
+    - ``product_key_topk(raw, factors, k)`` picks the ``k`` best of ``S = prod(factors)`` slots
+      (``read_topk`` for the read, ``write_topk`` for the write); the softmax of their scores
+      over the k slots is ``read_w`` / ``write_w`` and the slot indices are ``read_idx`` /
+      ``write_idx`` ``[B, T, H, k]`` (int64);
+    - a value ``v [B, T, H, D]``, a write strength ``beta = sigmoid(.) [B, T, H]`` and, with
+      ``decay=True``, a decay ``sigmoid(. + 4) [B, T, H]`` applied to every slot the token
+      writes;
+
+    runs :func:`sdm_ops.sparse_delta_memory` from the learned initial bank ``bank [H, S, D]``
+    (zeros at init) or a given state, and projects the heads' outputs ``[B, T, H * D]`` back
+    to ``d_model``.
+
+    Args:
+        d_model: input and output width.
+        heads: number of heads H (independent banks).
+        head_dim: D, the bank's row width, one of 16, 32, 64, 128, 256.
+        factors: product-key factor sizes, 1 to 4 ints; each head's bank has
+            ``S = prod(factors)`` slots (at most 2^20), e.g. ``(32, 32)`` -> 1024.
+        read_topk: R, slots each token reads, 1 to 64 (capped at S).
+        write_topk: W, slots each token writes, 1 to 64 (capped at S).
+        decay: whether written slots decay before the write (a learned gate per token/head).
+        chunk_size: the recurrence's chunk, one of 16, 32, 64, 128.
+        snapshot: the recurrence's backward snapshot, "none", "bf16", "fp8" or "int4".
+        key_dim: width of the query/key vectors dotted with the sub-keys (default 32).
+
+    Shapes:
+        ``forward(x [B, T, d_model], state [B, H, S, D] | None) -> y [B, T, d_model]``,
+        and ``(y, final_bank [B, H, S, D])`` with ``return_state=True``.
+
+    Example::
+
+        >>> layer = SparseDeltaMemory(d_model=64, heads=2, head_dim=32, factors=(16, 16),
+        ...                           read_topk=4, write_topk=4)
+        >>> x = torch.randn(3, 40, 64)
+        >>> y, state = layer(x[:, :30], return_state=True)     # a prompt
+        >>> y_next = layer.step_(x[:, 30:31], state)           # decode one token in place
+        >>> y.shape, state.shape
+        (torch.Size([3, 30, 64]), torch.Size([3, 2, 256, 32]))
+    """
+
+    def __init__(self, d_model: int, heads: int, head_dim: int, factors: Sequence[int],
+                 read_topk: int, write_topk: int, decay: bool = True, chunk_size: int = 64,
+                 snapshot: str = "none", *, key_dim: int = 32):
+        super().__init__()
+        check_int("d_model", d_model, low=1)
+        check_int("heads", heads, low=1)
+        check_int("head_dim", head_dim, choices=HEAD_DIMS)
+        factors = check_factors(factors)
+        S = math.prod(factors)
+        if S > MAX_SLOTS:
+            raise ValueError(f"factors must address at most {MAX_SLOTS} slots, got "
+                             f"prod({list(factors)}) = {S}")
+        check_int("read_topk", read_topk, low=1, high=MAX_ENTRIES)
+        check_int("write_topk", write_topk, low=1, high=MAX_ENTRIES)
+        if not isinstance(decay, bool):
+            raise TypeError(f"decay must be a bool, got {type(decay).__name__}")
+        check_int("chunk_size", chunk_size, choices=CHUNK_SIZES)
+        if not isinstance(snapshot, str) or snapshot not in SNAPSHOT_MODES:
+            raise ValueError(f"snapshot must be one of {list(SNAPSHOT_MODES)}, got {snapshot!r}")
+        check_int("key_dim", key_dim, low=1)
+
+        self.d_model, self.heads, self.head_dim = d_model, heads, head_dim
+        self.factors, self.slots, self.key_dim = factors, S, key_dim
+        self.read_topk, self.write_topk = read_topk, write_topk
+        self.use_decay, self.chunk_size, self.snapshot = decay, chunk_size, snapshot
+
+        H, Fn = heads, len(factors)
+        self.query = nn.Linear(d_model, H * Fn * key_dim, bias=False)
+        self.key = nn.Linear(d_model, H * Fn * key_dim, bias=False)
+        self.sub_keys = nn.Parameter(torch.randn(H, sum(factors), key_dim) / math.sqrt(key_dim))
+        self.value = nn.Linear(d_model, H * head_dim, bias=False)
+        self.beta = nn.Linear(d_model, H)
+        self.decay = nn.Linear(d_model, H) if decay else None
+        if self.decay is not None:
+            nn.init.constant_(self.decay.bias, DECAY_BIAS)
+        self.bank = nn.Parameter(torch.zeros(H, S, head_dim))
+        self.out = nn.Linear(H * head_dim, d_model, bias=False)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, heads={self.heads}, head_dim={self.head_dim}, "
+                f"factors={self.factors}, read_topk={self.read_topk}, "
+                f"write_topk={self.write_topk}, decay={self.use_decay}, "
+                f"chunk_size={self.chunk_size}, snapshot={self.snapshot!r}")
+
+    def _scores(self, proj: nn.Linear, x: Tensor) -> Tensor:
+        """x [B, T, d_model] -> raw [B, T, H, sum(factors)]: each factor's query vector dotted
+        with that factor's sub-keys."""
+        B, T, _ = x.shape
+        q = proj(x).view(B, T, self.heads, len(self.factors), self.key_dim)
+        keys = self.sub_keys.split(self.factors, dim=1)          # [H, factors[f], key_dim] each
+        raw = [torch.einsum("bthk,hnk->bthn", q[..., f, :], keys[f])
+               for f in range(len(self.factors))]
+        return torch.cat(raw, dim=-1) * self.key_dim ** -0.5
+
+    def _address(self, proj: nn.Linear, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Slot indices [B, T, H, kk] (int64) and their softmax weights."""
+        val, idx = product_key_topk(self._scores(proj, x), self.factors, k)
+        return idx, torch.softmax(val.float(), dim=-1).to(x.dtype)
+
+    def _inputs(self, x: Tensor) -> dict[str, Tensor | None]:
+        """The recurrence's per-token arguments from x [B, T, d_model]."""
+        B, T, _ = x.shape
+        write_idx, write_w = self._address(self.key, x, self.write_topk)
+        read_idx, read_w = self._address(self.query, x, self.read_topk)
+        decay = None
+        if self.decay is not None:
+            decay = torch.sigmoid(self.decay(x)).unsqueeze(-1).expand_as(write_w)
+        return dict(v=self.value(x).view(B, T, self.heads, self.head_dim),
+                    beta=torch.sigmoid(self.beta(x)), write_idx=write_idx, write_w=write_w,
+                    read_idx=read_idx, read_w=read_w, decay=decay)
+
+    def _output(self, out: Tensor) -> Tensor:
+        B, T = out.shape[:2]
+        return self.out(out.reshape(B, T, self.heads * self.head_dim))
+
+    def initial_state(self, batch_size: int) -> Tensor:
+        """A fresh ``[B, H, S, D]`` state (a copy of the learned initial bank, detached) for
+        :meth:`step_`."""
+        return self.bank.detach().expand(batch_size, -1, -1, -1).clone()
+
+    def _check_state(self, state: Tensor, x: Tensor) -> None:
+        check_tensor("state", state, ndim=4)
+        check_shape("state", state, (x.shape[0], self.heads, self.slots, self.head_dim),
+                    "[B, H, S, D]")
+
+    def forward(self, x: Tensor, state: Tensor | None = None, return_state: bool = False):
+        """``x [B, T, d_model]`` -> ``y [B, T, d_model]``, or ``(y, final_bank [B, H, S, D])``
+        with ``return_state``. With ``state [B, H, S, D]`` (a previous call's final bank) the
+        recurrence continues from it instead of the learned initial bank."""
+        if state is not None:
+            self._check_state(state, x)
+        a = self._inputs(x)
+        bank = self.bank if state is None else state
+        out, final = sparse_delta_memory(a["v"], a["beta"], a["write_idx"], a["write_w"],
+                                         a["read_idx"], a["read_w"], bank, a["decay"],
+                                         chunk_size=self.chunk_size, snapshot=self.snapshot)
+        y = self._output(out)
+        return (y, final) if return_state else y
+
+    @torch.no_grad()
+    def step_(self, x: Tensor, state: Tensor) -> Tensor:
+        """Inference: continue from ``state [B, H, S, D]`` (contiguous, updated in place) over
+        ``x [B, T, d_model]`` (T may be 1); no autograd. Returns ``y [B, T, d_model]``, equal
+        to what :meth:`forward` gives for these tokens after the same history."""
+        self._check_state(state, x)
+        a = self._inputs(x)
+        out = sparse_delta_memory_(state, a["v"], a["beta"], a["write_idx"], a["write_w"],
+                                   a["read_idx"], a["read_w"], a["decay"],
+                                   chunk_size=self.chunk_size)
+        return self._output(out)

@@ -1,0 +1,157 @@
+"""The ``SparseDeltaMemory`` layer (``sdm_ops.nn``): shapes, gradients reaching every
+parameter, continuing from a returned state and decoding with ``step_`` equal to one pass over
+the whole sequence, decay on and off, constructor validation, and a few training steps
+lowering the loss. CPU, eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdm_ops.nn import SparseDeltaMemory
+from tests.helpers import assert_close
+
+RTOL = 1e-5     # the same recurrence split differently: float32 rounding
+B, T, D_MODEL = 2, 37, 32
+
+
+def make_layer(seed: int = 0, **kwargs) -> SparseDeltaMemory:
+    """A small layer; ``factors (4, 4)`` gives 16 slots, so tokens often share slots (and
+    decay and overwrite what earlier tokens wrote). The initial bank is random, not zeros."""
+    opts = dict(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3,
+                write_topk=2, chunk_size=16) | kwargs
+    torch.manual_seed(seed)
+    layer = SparseDeltaMemory(**opts)
+    with torch.no_grad():
+        layer.bank.normal_()
+    return layer
+
+
+def make_x(T: int = T, seed: int = 1) -> torch.Tensor:
+    return torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_output_and_state_shapes(decay):
+    layer = make_layer(decay=decay)
+    x = make_x()
+    y = layer(x)
+    assert y.shape == (B, T, D_MODEL) and y.dtype == torch.float32
+    y2, state = layer(x, return_state=True)
+    assert state.shape == (B, 2, 16, 16)
+    assert_close(y2, y, rtol=0, atol=0, name="y with return_state")
+    assert layer.initial_state(B).shape == (B, 2, 16, 16)
+
+
+def test_zero_length_sequence_gives_empty_output_and_the_initial_bank():
+    layer = make_layer()
+    y, state = layer(make_x(0), return_state=True)
+    assert y.shape == (B, 0, D_MODEL)
+    assert_close(state, layer.initial_state(B), rtol=0, atol=0, name="state after T = 0")
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_gradients_reach_every_parameter(decay):
+    layer = make_layer(decay=decay)
+    x = make_x().requires_grad_()
+    g = torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(2))
+    (layer(x) * g).sum().backward()
+    missing = [n for n, p in layer.named_parameters()
+               if p.grad is None or not torch.isfinite(p.grad).all() or p.grad.abs().sum() == 0]
+    assert not missing, f"parameters without a finite non-zero gradient: {missing}"
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert (layer.decay is not None) == decay
+
+
+@pytest.mark.parametrize("decay", [True, False])
+@pytest.mark.parametrize("split", [1, 16, 20])
+def test_continuing_from_returned_state_equals_the_whole_sequence(decay, split):
+    layer = make_layer(decay=decay)
+    x = make_x()
+    want = layer(x)
+    y1, state = layer(x[:, :split], return_state=True)
+    y2 = layer(x[:, split:], state=state)
+    assert_close(torch.cat([y1, y2], 1), want, rtol=RTOL, name=f"y (split at {split})")
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_step_token_by_token_equals_forward(decay):
+    layer = make_layer(decay=decay)
+    x = make_x()
+    want, want_state = layer(x, return_state=True)
+    state = layer.initial_state(B)
+    got = torch.cat([layer.step_(x[:, t:t + 1], state) for t in range(T)], 1)
+    assert not got.requires_grad
+    assert_close(got, want, rtol=RTOL, name="y of step_")
+    assert_close(state, want_state, rtol=RTOL, name="state after step_")
+
+
+def test_step_after_a_prompt_in_blocks_equals_forward():
+    layer = make_layer()
+    x = make_x()
+    want = layer(x)
+    _, state = layer(x[:, :20], return_state=True)
+    state = state.detach()
+    got = [layer.step_(x[:, 20:29], state), layer.step_(x[:, 29:30], state),
+           layer.step_(x[:, 30:], state)]
+    assert_close(torch.cat(got, 1), want[:, 20:], rtol=RTOL, name="y of step_ after a prompt")
+
+
+def test_decay_off_equals_decay_of_one():
+    """decay=False runs the recurrence without decay: the same as decays of exactly 1."""
+    on, off = make_layer(decay=True), make_layer(decay=False)
+    off.load_state_dict({k: v for k, v in on.state_dict().items() if not k.startswith("decay.")})
+    with torch.no_grad():
+        on.decay.weight.zero_()
+        on.decay.bias.fill_(100.0)          # sigmoid(100) == 1 in float32
+    x = make_x()
+    assert_close(on(x), off(x), rtol=RTOL, name="decay 1 against decay off")
+    with torch.no_grad():
+        on.decay.bias.fill_(-2.0)
+    assert (on(x) - off(x)).abs().max() > 1e-3, "a decay of sigmoid(-2) changed nothing"
+
+
+@pytest.mark.parametrize("option, value", [
+    ("d_model", 0), ("heads", 0), ("head_dim", 24), ("factors", ()), ("factors", (4, 5000)),
+    ("factors", (2048, 1024)), ("read_topk", 0), ("read_topk", 65), ("write_topk", 0),
+    ("write_topk", 100), ("chunk_size", 48), ("snapshot", "fp16"), ("key_dim", 0),
+])
+def test_bad_option_raises_value_error_naming_it(option, value):
+    opts = dict(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3,
+                write_topk=2) | {option: value}
+    with pytest.raises(ValueError, match=option):
+        SparseDeltaMemory(**opts)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("heads", 2.0), ("factors", 16), ("read_topk", True), ("decay", 1),
+])
+def test_option_of_wrong_type_raises_type_error_naming_it(option, value):
+    opts = dict(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3,
+                write_topk=2) | {option: value}
+    with pytest.raises(TypeError, match=option):
+        SparseDeltaMemory(**opts)
+
+
+@pytest.mark.parametrize("shape", [(B, 2, 15, 16), (B + 1, 2, 16, 16), (2, 16, 16)])
+def test_state_of_wrong_shape_raises_value_error_naming_state(shape):
+    layer = make_layer()
+    with pytest.raises(ValueError, match="state"):
+        layer(make_x(), state=torch.zeros(shape))
+    with pytest.raises(ValueError, match="state"):
+        layer.step_(make_x(1), torch.zeros(shape))
+
+
+def test_a_few_training_steps_lower_the_loss():
+    """Regress a fixed target: eight AdamW steps lower the mean squared error."""
+    layer = make_layer()
+    x, target = make_x(seed=3), make_x(seed=4)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss = torch.nn.functional.mse_loss(layer(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], f"losses did not fall: {losses}"
