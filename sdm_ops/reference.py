@@ -410,7 +410,7 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
     S = bank.shape[-2]
     P = B * H
     C = X.shape[-1]
-    M = bank.to(cd).expand(B, H, S, D).reshape(P, S, D)
+    M = bank.to(cd).expand(B, H, S, D).reshape(P, S, D).clone()     # never the input itself
     vs, bs = _chunked(to_streams(v.to(cd)), C, 0), _chunked(to_streams(beta.to(cd)), C, 0)
     slot = _chunked(to_streams(_entries(write_idx, write_idx, S)[0]), C, -1)
     rslot = _chunked(to_streams(_entries(read_idx, read_idx, S)[0]), C, -1)
