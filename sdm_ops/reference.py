@@ -231,23 +231,47 @@ class ChunkWeights(NamedTuple):
     rslot: Tensor
 
 
+class _ChunkEntries(NamedTuple):
+    """A chunk's entries flattened token-major (E = C * W write, Er = C * R read entries), with
+    the slot-match matrices that phase 1 and its backward are built from."""
+    s_b: Tensor      # [P, E] write slots, -1 for padding
+    w_b: Tensor      # [P, E] write weights (0 for padding)
+    d_b: Tensor      # [P, E] decays (1 for padding)
+    s_r: Tensor      # [P, Er] read slots
+    w_r: Tensor      # [P, Er] read weights
+    ok_b: Tensor
+    ok_r: Tensor
+    same: Tensor     # [P, E, E] write entries on one slot
+    rsame: Tensor    # [P, Er, E] read entry and write entry on one slot
+    slot: Tensor     # [P, C, W]
+    rslot: Tensor    # [P, C, R]
+
+
+def _chunk_entries(write_idx, write_w, read_idx, read_w, decay, s: int) -> _ChunkEntries:
+    P, C, W = write_idx.shape
+    R = read_idx.shape[-1]
+    if decay is None:
+        decay = torch.ones_like(write_w)
+    slot, w, dec = _entries(write_idx, write_w, s, decay)
+    rslot, rw, _ = _entries(read_idx, read_w, s)
+    s_b, w_b, d_b = slot.reshape(P, C * W), w.reshape(P, C * W), dec.reshape(P, C * W)
+    s_r, w_r = rslot.reshape(P, C * R), rw.reshape(P, C * R)
+    ok_b, ok_r = s_b >= 0, s_r >= 0
+    same = (s_b[:, :, None] == s_b[:, None, :]) & ok_b[:, :, None] & ok_b[:, None, :]
+    rsame = (s_r[:, :, None] == s_b[:, None, :]) & ok_r[:, :, None] & ok_b[:, None, :]
+    return _ChunkEntries(s_b, w_b, d_b, s_r, w_r, ok_b, ok_r, same, rsame, slot, rslot)
+
+
 def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkWeights:
     """Phase 1 of SPEC section 2 for one chunk of every stream (inputs [P, C, W] / [P, C, R])."""
     P, C, W = write_idx.shape
     R = read_idx.shape[-1]
     cd = write_w.dtype
-    if decay is None:
-        decay = torch.ones_like(write_w)
-    slot, w, dec = _entries(write_idx, write_w, s, decay)
-    rslot, rw, _ = _entries(read_idx, read_w, s)
+    ce = _chunk_entries(write_idx, write_w, read_idx, read_w, decay, s)
+    s_b, w_b, d_b, s_r, w_r, ok_b, ok_r, same, rsame, slot, rslot = ce
     E, Er = C * W, C * R
-    s_b, w_b, d_b = slot.reshape(P, E), w.reshape(P, E), dec.reshape(P, E)
-    s_r, w_r = rslot.reshape(P, Er), rw.reshape(P, Er)
     tok = torch.arange(C, device=slot.device)
     tok_b, tok_r = tok.repeat_interleave(W), tok.repeat_interleave(R)
-    ok_b, ok_r = s_b >= 0, s_r >= 0
-    same = (s_b[:, :, None] == s_b[:, None, :]) & ok_b[:, :, None] & ok_b[:, None, :]   # [P, E, E]
-    rsame = (s_r[:, :, None] == s_b[:, None, :]) & ok_r[:, :, None] & ok_b[:, None, :]  # [P, Er, E]
     one = torch.ones((), dtype=cd, device=slot.device)
     # dec_on[x, t]: decay that token t applies to the slot of entry x (product over its entries).
     dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)       # [P, E, C]
@@ -564,19 +588,12 @@ def _chunk_weights_backward(write_idx, write_w, read_idx, read_w, decay, s: int,
     P, C, W = write_idx.shape
     R = read_idx.shape[-1]
     cd = write_w.dtype
-    if decay is None:
-        decay = torch.ones_like(write_w)
-    slot, w, dec = _entries(write_idx, write_w, s, decay)
-    rslot, rw, _ = _entries(read_idx, read_w, s)
+    ce = _chunk_entries(write_idx, write_w, read_idx, read_w, decay, s)
+    s_b, w_b, d_b, s_r, w_r, ok_b, ok_r, same, rsame, _, _ = ce
     E, Er = C * W, C * R
-    s_b, w_b, d_b = slot.reshape(P, E), w.reshape(P, E), dec.reshape(P, E)
-    s_r, w_r = rslot.reshape(P, Er), rw.reshape(P, Er)
-    dev = slot.device
+    dev = s_b.device
     tok = torch.arange(C, device=dev)
     te, ti = tok.repeat_interleave(W), tok.repeat_interleave(R)
-    ok_b, ok_r = s_b >= 0, s_r >= 0
-    same = (s_b[:, :, None] == s_b[:, None, :]) & ok_b[:, :, None] & ok_b[:, None, :]    # [P, E, E]
-    rsame = (s_r[:, :, None] == s_b[:, None, :]) & ok_r[:, :, None] & ok_b[:, None, :]   # [P, Er, E]
     wsame = (s_b[:, :, None] == s_r[:, None, :]) & ok_b[:, :, None] & ok_r[:, None, :]   # [P, E, Er]
     one = torch.ones((), dtype=cd, device=dev)
 
