@@ -109,6 +109,42 @@ def snapshot_errors(a: dict, chunk_size: int) -> None:
         print(f"{mode:<6}{row[mode] * W:>12d}" + "".join(f"{e:>10.1e}" for e in errs))
 
 
+def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
+    """A packed batch of B sequences of mixed lengths (B * T / 2 tokens in all, lengths from
+    T / 8 to T) against the same sequences padded to [B, T] (padding: index -1, weight 0):
+    forward and forward+backward times, float32 bank with decay."""
+    lengths = torch.linspace(T // 8, T, B).round().long()
+    lengths = (lengths * (B * T // 2) / lengths.sum()).long().clamp(1, T)
+    total = int(lengths.sum())
+    packed = make_workload(1, total, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
+    packed["bank"] = packed["bank"].expand(B, -1, -1, -1).contiguous()
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to("cuda")
+    padded = make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
+    pad = torch.arange(T, device="cuda")[None, :] >= lengths.to("cuda")[:, None]   # [B, T]
+    for k in ("write_idx", "read_idx"):
+        padded[k] = padded[k].masked_fill(pad[:, :, None, None], -1)
+    rows = []
+    for name, a, kw in (("packed (cu_seqlens)", packed, {"cu_seqlens": cu}),
+                        ("padded to [B, T]", padded, {})):
+        def fwd():
+            with torch.no_grad():
+                return sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, **kw)
+        leaves = {k: a[k].detach().clone().requires_grad_()
+                  for k in ("v", "beta", "write_w", "read_w", "bank", "decay")}
+
+        def fwd_bwd():
+            out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size,
+                                                    **kw)
+            torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
+        rows.append((name, _time_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2)))
+    print(f"packed vs padded: {B} sequences of {int(lengths.min())} to {int(lengths.max())} "
+          f"tokens ({total} in all, {B * T} padded), H={H} D={D} S={S} W={W} R={R} "
+          f"C={chunk_size}, float32 bank, decay")
+    print(f"{'batch':<22}{'fwd ms':>9}{'fwd+bwd ms':>12}")
+    for name, ms, bwd_ms in rows:
+        print(f"{name:<22}{ms:>9.3f}{bwd_ms:>12.3f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="SDM forward benchmark")
     parser.add_argument("--B", type=int, default=8)
@@ -122,6 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--snapshot-errors", action="store_true",
                         help="only measure the snapshot modes' gradient error (CPU or CUDA)")
+    parser.add_argument("--no-packed", action="store_true",
+                        help="skip the packed-versus-padded (cu_seqlens) comparison")
     args = parser.parse_args(argv)
     shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
     if args.snapshot_errors:
@@ -177,6 +215,8 @@ def main(argv=None) -> int:
               f"{bwd_ms:>11.3f}{peak:>9.2f}{ref_ms:>17.1f}")
         del a
         torch.cuda.empty_cache()
+    if not args.no_packed:
+        packed_vs_padded(*shape, args.chunk_size)
     return 0
 
 

@@ -62,7 +62,10 @@ class SparseDeltaMemory(nn.Module):
 
     Shapes:
         ``forward(x [B, T, d_model], state [B, H, S, D] | None) -> y [B, T, d_model]``,
-        and ``(y, final_bank [B, H, S, D])`` with ``return_state=True``.
+        and ``(y, final_bank [B, H, S, D])`` with ``return_state=True``. With
+        ``cu_seqlens [N + 1]`` (variable-length sequences packed into x ``[1, T, d_model]``,
+        as in :func:`sdm_ops.sparse_delta_memory`) the state and final bank are
+        ``[N, H, S, D]`` and each sequence starts from its own state (or the initial bank).
 
     Example::
 
@@ -155,33 +158,40 @@ class SparseDeltaMemory(nn.Module):
         :meth:`step_`."""
         return self.bank.detach().expand(batch_size, -1, -1, -1).clone()
 
-    def _check_state(self, state: Tensor, x: Tensor) -> None:
+    def _check_state(self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None) -> None:
         check_tensor("state", state, ndim=4)
-        check_shape("state", state, (x.shape[0], self.heads, self.slots, self.head_dim),
-                    "[B, H, S, D]")
+        if cu_seqlens is None:
+            lead, what = x.shape[0], "[B, H, S, D]"
+        else:
+            lead, what = cu_seqlens.shape[0] - 1, "[N, H, S, D] (N sequences in cu_seqlens)"
+        check_shape("state", state, (lead, self.heads, self.slots, self.head_dim), what)
 
-    def forward(self, x: Tensor, state: Tensor | None = None, return_state: bool = False):
+    def forward(self, x: Tensor, state: Tensor | None = None, return_state: bool = False,
+                cu_seqlens: Tensor | None = None):
         """``x [B, T, d_model]`` -> ``y [B, T, d_model]``, or ``(y, final_bank [B, H, S, D])``
         with ``return_state``. With ``state [B, H, S, D]`` (a previous call's final bank) the
-        recurrence continues from it instead of the learned initial bank."""
+        recurrence continues from it instead of the learned initial bank. ``cu_seqlens``
+        packs variable-length sequences into ``x [1, T, d_model]`` (see the class)."""
         if state is not None:
-            self._check_state(state, x)
+            self._check_state(state, x, cu_seqlens)
         a = self._inputs(x)
         bank = self.bank if state is None else state
         out, final = sparse_delta_memory(a["v"], a["beta"], a["write_idx"], a["write_w"],
                                          a["read_idx"], a["read_w"], bank, a["decay"],
-                                         chunk_size=self.chunk_size, snapshot=self.snapshot)
+                                         chunk_size=self.chunk_size, snapshot=self.snapshot,
+                                         cu_seqlens=cu_seqlens)
         y = self._output(out)
         return (y, final) if return_state else y
 
     @torch.no_grad()
-    def step_(self, x: Tensor, state: Tensor) -> Tensor:
+    def step_(self, x: Tensor, state: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
         """Inference: continue from ``state [B, H, S, D]`` (contiguous, updated in place) over
         ``x [B, T, d_model]`` (T may be 1); no autograd. Returns ``y [B, T, d_model]``, equal
-        to what :meth:`forward` gives for these tokens after the same history."""
-        self._check_state(state, x)
+        to what :meth:`forward` gives for these tokens after the same history. With
+        ``cu_seqlens``, x is ``[1, T, d_model]`` and state ``[N, H, S, D]``."""
+        self._check_state(state, x, cu_seqlens)
         a = self._inputs(x)
         out = sparse_delta_memory_(state, a["v"], a["beta"], a["write_idx"], a["write_w"],
                                    a["read_idx"], a["read_w"], a["decay"],
-                                   chunk_size=self.chunk_size)
+                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self._output(out)

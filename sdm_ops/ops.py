@@ -185,11 +185,17 @@ product_key_topk.register_autograd(_topk_grad, setup_context=_topk_setup)
 
 
 def _chunk_prepare_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
-                       decay: Tensor | None, bank_rows: int, chunk_size: int
+                       decay: Tensor | None, bank_rows: int, chunk_size: int,
+                       chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm::chunk_prepare``: the reference."""
-    prep = reference.chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay,
-                                             bank_rows, chunk_size)
+    if chunks is not None:
+        prep = reference.chunk_prepare_varlen_reference(write_idx, write_w, read_idx, read_w,
+                                                        decay, bank_rows, chunk_size, chunks,
+                                                        seq_chunks)
+    else:
+        prep = reference.chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay,
+                                                 bank_rows, chunk_size)
     return tuple(x.contiguous() for x in prep)
 
 
@@ -199,28 +205,38 @@ _chunk_prepare_reference = _reference_op(
 
 @triton_op("sdm::chunk_prepare", mutates_args=())
 def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
-                  decay: Tensor | None, bank_rows: int, chunk_size: int
+                  decay: Tensor | None, bank_rows: int, chunk_size: int,
+                  chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 1: (A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank); see
-    ``kernels/chunk_prepare.py`` for the math and layouts."""
+    ``kernels/chunk_prepare.py`` for the math and layouts. ``chunks`` and ``seq_chunks``
+    (``reference.varlen_chunks``) describe a packed batch, None otherwise (every operator of
+    the recurrence takes them)."""
     if use_kernels(write_idx):
         from .kernels import chunk_prepare as k
         outs = recurrence_meta.chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay,
-                                                  bank_rows, chunk_size)
-        k.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, *outs)
+                                                  bank_rows, chunk_size, chunks, seq_chunks)
+        k.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks,
+                        *outs)
         return outs
     return _chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows,
-                                    chunk_size)
+                                    chunk_size, chunks, seq_chunks)
 
 
 def _recurrence_fwd_cpu(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                         gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
                         rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
-                        snapshot: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        snapshot: str, chunks: Tensor | None = None,
+                        seq_chunks: Tensor | None = None
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm::recurrence_fwd``: the reference."""
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
-    res = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank,
-                                             snapshot)
+    if chunks is not None:
+        res = reference.recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep, X, QX,
+                                                        bank, snapshot, chunks, seq_chunks)
+    else:
+        res = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank,
+                                                 snapshot)
     out, bank_out, snap, snap_scale, resid, delta = res
     return (out.to(v.dtype).contiguous(), bank_out.to(bank.dtype).contiguous(), snap.contiguous(),
             snap_scale.contiguous(), resid.contiguous(), delta.contiguous())
@@ -234,7 +250,8 @@ _recurrence_fwd_reference = _reference_op(
 def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                    gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
                    rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
-                   snapshot: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   snapshot: str, chunks: Tensor | None = None, seq_chunks: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 2: (out, bank_out, snap, snap_scale, res, delta) from the initial ``bank``
     ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``. ``read_rank`` is
     not read here: it is an input so that the backward has it."""
@@ -242,24 +259,32 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
         from .kernels import recurrence_fwd as k
         out, _, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
             v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-            read_rank, X, QX, bank, snapshot)
-        B, H = v.shape[0], v.shape[2]
-        bank_out = bank.expand(B, H, *bank.shape[-2:]).clone(memory_format=torch.contiguous_format)
+            read_rank, X, QX, bank, snapshot, chunks, seq_chunks)
+        banks = v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1
+        bank_out = bank.expand(banks, v.shape[2], *bank.shape[-2:]).clone(
+            memory_format=torch.contiguous_format)
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                         rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot)
+                         rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot,
+                         chunks, seq_chunks)
         return out, bank_out, snap, snap_scale, res, delta
     return _recurrence_fwd_reference(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
-                                     row_decay, rank, read_rank, X, QX, bank, snapshot)
+                                     row_decay, rank, read_rank, X, QX, bank, snapshot, chunks,
+                                     seq_chunks)
 
 
 def _recurrence_fwd_inplace_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor,
                                 read_idx: Tensor, gather_w: Tensor, gather_r: Tensor,
                                 scatter_w: Tensor, row_decay: Tensor, rank: Tensor, X: Tensor,
-                                QX: Tensor) -> Tensor:
+                                QX: Tensor, chunks: Tensor | None = None,
+                                seq_chunks: Tensor | None = None) -> Tensor:
     """The CPU path of ``sdm::recurrence_fwd_``: the reference."""
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
-    out, bank_out = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX,
-                                                       bank)[:2]
+    if chunks is not None:
+        out, bank_out = reference.recurrence_fwd_varlen_reference(
+            v, beta, write_idx, read_idx, prep, X, QX, bank, "none", chunks, seq_chunks)[:2]
+    else:
+        out, bank_out = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X,
+                                                           QX, bank)[:2]
     bank.copy_(bank_out)
     return out.to(v.dtype).contiguous()
 
@@ -272,7 +297,8 @@ _recurrence_fwd_inplace_reference = _reference_op(
 @triton_op("sdm::recurrence_fwd_", mutates_args=("bank",))
 def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                     gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
-                    rank: Tensor, X: Tensor, QX: Tensor) -> Tensor:
+                    rank: Tensor, X: Tensor, QX: Tensor, chunks: Tensor | None = None,
+                    seq_chunks: Tensor | None = None) -> Tensor:
     """Phase 2 updating ``bank`` [B, H, S, D] in place, keeping nothing for a backward; returns
     out [B, T, H, D] in v's dtype."""
     if use_kernels(v):
@@ -281,10 +307,12 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
         res = v.new_empty(v.shape, dtype=torch.float32)
         delta = v.new_empty(v.shape, dtype=torch.float32)
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                         rank, X, QX, bank, out, res, delta, None, None, None)
+                         rank, X, QX, bank, out, res, delta, None, None, None, chunks,
+                         seq_chunks)
         return out
     return _recurrence_fwd_inplace_reference(bank, v, beta, write_idx, read_idx, gather_w,
-                                             gather_r, scatter_w, row_decay, rank, X, QX)
+                                             gather_r, scatter_w, row_decay, rank, X, QX, chunks,
+                                             seq_chunks)
 
 
 chunk_prepare.register_fake(recurrence_meta.chunk_prepare_fake)
@@ -306,16 +334,20 @@ def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gathe
                         gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
                         read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
                         bank_out: Tensor, snap: Tensor, snap_scale: Tensor, snapshot: str,
-                        dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype
+                        dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype,
+                        chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                    Tensor]:
     """The CPU path of ``sdm::recurrence_bwd``: the reference."""
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
     B, T, H, D = res.shape
     v_like = res.new_empty((B, T, H, D))
-    grads = reference.recurrence_bwd_reference(v_like, beta, write_idx, read_idx, prep, X, QX,
-                                               bank_out, snap, snap_scale, snapshot, res, delta,
-                                               dout, dbank_out)
+    args = (v_like, beta, write_idx, read_idx, prep, X, QX, bank_out, snap, snap_scale, snapshot,
+            res, delta, dout, dbank_out)
+    if chunks is not None:
+        grads = reference.recurrence_bwd_varlen_reference(*args, chunks, seq_chunks)
+    else:
+        grads = reference.recurrence_bwd_reference(*args)
     dv, rest = grads[0].to(v_dtype), grads[1:]
     return (dv.contiguous(),) + tuple(g.contiguous() for g in rest)
 
@@ -329,7 +361,8 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
                    gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
                    read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
                    bank_out: Tensor, snap: Tensor, snap_scale: Tensor, snapshot: str,
-                   dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype
+                   dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype,
+                   chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                               Tensor]:
     """Backward of ``sdm::recurrence_fwd``: (dv, dbeta, dgather_w, dgather_r, dscatter_w,
@@ -338,25 +371,29 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
         from .kernels import recurrence_bwd as k
         dv, dbeta, _, _, _, _, dX, dQX, _ = recurrence_meta.recurrence_bwd_fake(
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, res, delta, bank_out, snap, snap_scale, snapshot, dout, dbank_out, v_dtype)
+            X, QX, res, delta, bank_out, snap, snap_scale, snapshot, dout, dbank_out, v_dtype,
+            chunks, seq_chunks)
         bank = bank_out.clone()
         dbank = (torch.zeros(bank_out.shape, dtype=torch.float32, device=res.device)
                  if dbank_out is None else dbank_out.to(torch.float32, copy=True))
         dgw, dgr, dsw, drd = k.recurrence_bwd(
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, res, delta, snap, snap_scale, snapshot, dout, bank, dbank, dv, dX, dQX, dbeta)
+            X, QX, res, delta, snap, snap_scale, snapshot, dout, bank, dbank, dv, dX, dQX, dbeta,
+            chunks, seq_chunks)
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
     return _recurrence_bwd_reference(beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
                                      row_decay, rank, read_rank, X, QX, res, delta, bank_out, snap,
-                                     snap_scale, snapshot, dout, dbank_out, v_dtype)
+                                     snap_scale, snapshot, dout, dbank_out, v_dtype, chunks,
+                                     seq_chunks)
 
 
 def _recurrence_fwd_setup(ctx, inputs, output):
     (v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-     X, QX, bank, snapshot) = inputs
+     X, QX, bank, snapshot, chunks, seq_chunks) = inputs
     _, bank_out, snap, snap_scale, res, delta = output
     ctx.save_for_backward(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                          rank, read_rank, X, QX, res, delta, bank_out, snap, snap_scale)
+                          rank, read_rank, X, QX, res, delta, bank_out, snap, snap_scale, chunks,
+                          seq_chunks)
     ctx.snapshot = snapshot
     ctx.v_dtype = v.dtype
     ctx.bank_meta = (bank.dim(), bank.dtype)
@@ -369,13 +406,13 @@ def _recurrence_fwd_grad(ctx, dout, dbank_out, *_):
     g = torch.ops.sdm.recurrence_bwd(*saved[:16], ctx.snapshot,
                                      None if dout is None else dout.contiguous(),
                                      None if dbank_out is None else dbank_out.contiguous(),
-                                     ctx.v_dtype)
+                                     ctx.v_dtype, *saved[16:])
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = g
     dim, dtype = ctx.bank_meta
     if dim == 3:
         dbank = dbank.sum(0)
     return (dv, dbeta.to(beta.dtype), None, None, dgw, dgr, dsw, drd, None, None, dX, dQX,
-            dbank.to(dtype), None)
+            dbank.to(dtype), None, None, None)
 
 
 recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
@@ -385,12 +422,16 @@ recurrence_fwd.register_autograd(_recurrence_fwd_grad, setup_context=_recurrence
 def _chunk_prepare_backward_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor,
                                 read_w: Tensor, decay: Tensor | None, bank_rows: int, dA: Tensor,
                                 dQK: Tensor, d_gather_w: Tensor, d_gather_r: Tensor,
-                                d_scatter_w: Tensor, d_row_decay: Tensor
+                                d_scatter_w: Tensor, d_row_decay: Tensor,
+                                chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                                 ) -> tuple[Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm::chunk_prepare_backward``: the reference."""
-    dww, drw, ddc = reference.chunk_prepare_backward_reference(
-        write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w, d_gather_r,
-        d_scatter_w, d_row_decay)
+    args = (write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w,
+            d_gather_r, d_scatter_w, d_row_decay)
+    if chunks is not None:
+        dww, drw, ddc = reference.chunk_prepare_backward_varlen_reference(*args, chunks, seq_chunks)
+    else:
+        dww, drw, ddc = reference.chunk_prepare_backward_reference(*args)
     ddc = write_w.new_empty(0, dtype=dww.dtype) if ddc is None else ddc
     return dww.contiguous(), drw.contiguous(), ddc.contiguous()
 
@@ -404,32 +445,33 @@ _chunk_prepare_backward_reference = _reference_op(
 def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
                            decay: Tensor | None, bank_rows: int, dA: Tensor, dQK: Tensor,
                            d_gather_w: Tensor, d_gather_r: Tensor, d_scatter_w: Tensor,
-                           d_row_decay: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                           d_row_decay: Tensor, chunks: Tensor | None = None,
+                           seq_chunks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``sdm::chunk_prepare``: (d_write_w, d_read_w, d_decay), d_decay empty
     without decay; see ``kernels/chunk_prepare.py``."""
     if use_kernels(dA):
         from .kernels import chunk_prepare as k
         dww, drw, ddc = recurrence_meta.chunk_prepare_backward_fake(
             write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w,
-            d_gather_r, d_scatter_w, d_row_decay)
+            d_gather_r, d_scatter_w, d_row_decay, chunks, seq_chunks)
         k.chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
                             d_gather_w, d_gather_r, d_scatter_w, d_row_decay, dww,
-                            None if decay is None else ddc, drw)
+                            None if decay is None else ddc, drw, chunks)
         return dww, drw, ddc
     return _chunk_prepare_backward_reference(write_idx, write_w, read_idx, read_w, decay,
                                              bank_rows, dA, dQK, d_gather_w, d_gather_r,
-                                             d_scatter_w, d_row_decay)
+                                             d_scatter_w, d_row_decay, chunks, seq_chunks)
 
 
 def _chunk_prepare_setup(ctx, inputs, output):
-    write_idx, write_w, read_idx, read_w, decay, bank_rows, _ = inputs
-    ctx.save_for_backward(write_idx, write_w, read_idx, read_w, decay)
+    write_idx, write_w, read_idx, read_w, decay, bank_rows, _, chunks, seq_chunks = inputs
+    ctx.save_for_backward(write_idx, write_w, read_idx, read_w, decay, chunks, seq_chunks)
     ctx.bank_rows = bank_rows
 
 
 def _chunk_prepare_grad(ctx, dA, dQK, dgw, dgr, dsw, drd, *_):
     _no_double_backward("sparse_delta_memory")
-    write_idx, write_w, read_idx, read_w, decay = ctx.saved_tensors
+    write_idx, write_w, read_idx, read_w, decay, chunks, seq_chunks = ctx.saved_tensors
     wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
 
     def grad(g, like):
@@ -440,14 +482,13 @@ def _chunk_prepare_grad(ctx, dA, dQK, dgw, dgr, dsw, drd, *_):
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     chunk_grad = dA if dA is not None else dQK
-    N, C = chunk_grad.shape[2], chunk_grad.shape[-1]
-    chunks = (B, H, N, C, C)
+    shape = chunk_grad.shape
     dww, drw, ddc = torch.ops.sdm.chunk_prepare_backward(
-        write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows, grad(dA, chunks),
-        grad(dQK, chunks), grad(dgw, (B, T, H, W)), grad(dgr, (B, T, H, R)),
-        grad(dsw, (B, T, H, W)), grad(drd, (B, T, H, W)))
+        write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows, grad(dA, shape),
+        grad(dQK, shape), grad(dgw, (B, T, H, W)), grad(dgr, (B, T, H, R)),
+        grad(dsw, (B, T, H, W)), grad(drd, (B, T, H, W)), chunks, seq_chunks)
     return (None, dww.to(write_w.dtype), None, drw.to(read_w.dtype),
-            None if decay is None else ddc.to(decay.dtype), None, None)
+            None if decay is None else ddc.to(decay.dtype), None, None, None, None)
 
 
 chunk_prepare_backward.register_fake(recurrence_meta.chunk_prepare_backward_fake)

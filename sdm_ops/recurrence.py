@@ -16,7 +16,7 @@ from torch import Tensor
 from . import ops
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
                       check_tensor, data_checks_enabled)
-from .reference import SNAPSHOT_MODES
+from .reference import SNAPSHOT_MODES, varlen_chunks
 
 CHUNK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -25,7 +25,7 @@ MAX_ENTRIES = 64
 
 class SDMOutput(NamedTuple):
     out: Tensor     # [B, T, H, D], v's dtype
-    bank: Tensor    # [B, H, S, D], the bank's dtype: the state after the last token
+    bank: Tensor    # [B, H, S, D] ([N, H, S, D] packed), the bank's dtype: the final state
 
 
 def _check_index_range(name: str, idx: Tensor, S: int) -> None:
@@ -39,8 +39,23 @@ def _check_index_range(name: str, idx: Tensor, S: int) -> None:
                          f"{int(idx[pos])} at position {list(pos)}")
 
 
+def _check_cu_seqlens(cu_seqlens: Tensor, T: int) -> None:
+    """Starts at 0, never decreases, ends at T; eager mode only (reads data)."""
+    if not data_checks_enabled():
+        return
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+    for n in range(1, len(cu)):
+        if cu[n] < cu[n - 1]:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[n - 1]} then {cu[n]} "
+                             f"at positions {n - 1}, {n}")
+    if cu[-1] != T:
+        raise ValueError(f"cu_seqlens must end at the number of tokens T = {T}, got {cu[-1]}")
+
+
 def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
-                *, inplace: bool) -> None:
+                cu_seqlens=None, *, inplace: bool) -> None:
     check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, H, D = v.shape
     if D not in HEAD_DIMS:
@@ -63,10 +78,24 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
     if decay is not None:
         check_tensor("decay", decay, ndim=4, dtypes=FLOAT_DTYPES)
         check_shape("decay", decay, (B, T, H, W), "[B, T, H, W]")
+    banks, lead = B, "B"
+    if cu_seqlens is not None:
+        # Every bad cu_seqlens is a ValueError, its dtype included (as fla and flash-attention
+        # users expect from a malformed offsets tensor).
+        if isinstance(cu_seqlens, Tensor) and cu_seqlens.dtype not in INDEX_DTYPES:
+            raise ValueError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the inputs hold one packed batch, [1, T, ...]; "
+                             f"got v of shape {list(v.shape)} (B = {B})")
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must hold N + 1 >= 2 offsets, got shape "
+                             f"{list(cu_seqlens.shape)}")
+        banks, lead = cu_seqlens.shape[0] - 1, "N"
     check_tensor("bank", bank, ndim=(4,) if inplace else (3, 4), dtypes=FLOAT_DTYPES)
     S = bank.shape[-2]
     if bank.dim() == 4:
-        check_shape("bank", bank, (B, H, S, D), "[B, H, S, D]")
+        check_shape("bank", bank, (banks, H, S, D), f"[{lead}, H, S, D]")
     else:
         check_shape("bank", bank, (H, S, D), "[H, S, D]")
     if S < 1:
@@ -75,31 +104,46 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
     if not isinstance(snapshot, str) or snapshot not in SNAPSHOT_MODES:
         raise ValueError(f"snapshot must be one of {list(SNAPSHOT_MODES)}, got {snapshot!r}")
     check_same_device({"v": v, "beta": beta, "write_idx": write_idx, "write_w": write_w,
-                       "read_idx": read_idx, "read_w": read_w, "bank": bank, "decay": decay})
+                       "read_idx": read_idx, "read_w": read_w, "bank": bank, "decay": decay,
+                       "cu_seqlens": cu_seqlens})
     _check_index_range("write_idx", write_idx, S)
     _check_index_range("read_idx", read_idx, S)
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, T)
 
 
-def _chunk_betas(beta: Tensor, chunk_size: int) -> Tensor:
-    """beta [B, T, H] -> [B * H * N, C] float32, zero past T (the WY solve's layout)."""
+def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
+    """beta [B, T, H] -> [B * H * N, C] float32, zero past T (the WY solve's layout); for a
+    packed batch [H * NC, C] over its chunk slots, zero past each chunk's tokens."""
     B, T, H = beta.shape
-    N = -(-T // chunk_size)
-    x = beta.to(torch.float32).transpose(1, 2)
-    x = torch.nn.functional.pad(x, (0, N * chunk_size - T))
-    return x.reshape(B * H * N, chunk_size)
+    C = chunk_size
+    if chunks is None:
+        N = -(-T // C)
+        x = beta.to(torch.float32).transpose(1, 2)
+        x = torch.nn.functional.pad(x, (0, N * C - T))
+        return x.reshape(B * H * N, C)
+    NC = chunks.shape[0]
+    if T == 0:
+        return beta.new_zeros(H * NC, C, dtype=torch.float32)
+    i = torch.arange(C, device=beta.device)
+    tok = (chunks[:, :1] + i).clamp(max=T - 1)                                    # [NC, C]
+    x = torch.where((i < chunks[:, 1:])[..., None], beta[0].to(torch.float32)[tok], 0.0)
+    return x.permute(2, 0, 1).reshape(H * NC, C)
 
 
-def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C):
-    prep = ops.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, S, C)
+def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
+    chunks, seq_chunks = (None, None) if cu_seqlens is None else varlen_chunks(
+        cu_seqlens, v.shape[1], C)
+    prep = ops.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, S, C, chunks, seq_chunks)
     A, QK = prep[0], prep[1]
-    X, QX = ops.wy_solve(A.view(-1, C, C), _chunk_betas(beta, C), QK.view(-1, C, C))
-    return prep, X.view(A.shape), QX.view(A.shape)
+    X, QX = ops.wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C))
+    return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
 
 
 def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
                         read_idx: Tensor, read_w: Tensor, bank: Tensor,
                         decay: Tensor | None = None, *, chunk_size: int = 64,
-                        snapshot: str = "none") -> SDMOutput:
+                        snapshot: str = "none", cu_seqlens: Tensor | None = None) -> SDMOutput:
     """Run the sparse delta memory over a sequence (functional: ``bank`` is not modified).
 
     Per stream (batch row b, head h) the bank M is [S, D]. Token t writes ``W`` entries
@@ -120,9 +164,17 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
         decay: optional ``[B, T, H, W]`` in [0, 1], one decay per write entry.
         chunk_size: tokens per chunk, one of 16, 32, 64, 128 (results agree to rounding).
         snapshot: how pre-write rows are kept for the backward: "none", "bf16", "fp8", "int4".
+        cu_seqlens: optional ``[N + 1]`` int32 or int64 offsets of N sequences packed into one
+            batch (starting at 0, non-decreasing, ending at T), as in flash-attention and fla.
+            The inputs are then ``[1, T, H, ...]``, sequence n is tokens
+            ``cu_seqlens[n] : cu_seqlens[n + 1]``, the bank is ``[N, H, S, D]`` (or a shared
+            ``[H, S, D]``), and each sequence runs from its own bank as if alone; its chunks
+            never straddle two sequences. No host synchronization (it may change between calls
+            of a compiled function without recompiling).
 
     Returns:
-        ``SDMOutput(out [B, T, H, D] in v's dtype, bank [B, H, S, D] in the bank's dtype)``.
+        ``SDMOutput(out [B, T, H, D] in v's dtype, bank [B, H, S, D] in the bank's dtype)``;
+        with ``cu_seqlens`` the bank is ``[N, H, S, D]``.
 
     Example::
 
@@ -136,28 +188,31 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
         ...     torch.zeros(H, S, D))
     """
     _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
-                inplace=False)
+                cu_seqlens, inplace=False)
     v, beta, write_idx, write_w, read_idx, read_w, bank = (
         t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
     decay = None if decay is None else decay.contiguous()
     S, C = bank.shape[-2], chunk_size
-    prep, X, QX = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C)
+    prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
+                                  cu_seqlens)
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
     out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
                                        scatter_w, row_decay, rank, read_rank, X, QX, bank,
-                                       snapshot)[:2]
+                                       snapshot, *tables)[:2]
     return SDMOutput(out, bank_out)
 
 
 def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor,
                          write_w: Tensor, read_idx: Tensor, read_w: Tensor,
-                         decay: Tensor | None = None, *, chunk_size: int = 64) -> Tensor:
+                         decay: Tensor | None = None, *, chunk_size: int = 64,
+                         cu_seqlens: Tensor | None = None) -> Tensor:
     """The recurrence of :func:`sparse_delta_memory`, updating ``bank`` in place; no autograd.
 
     For inference and decoding: ``T`` may be 1, and a call makes no host synchronization once
     its arguments are checked, so it captures in a CUDA graph. ``bank`` is ``[B, H, S, D]``
     and contiguous. Sequences shorter than ``chunk_size`` run in one chunk of the smallest
     allowed size that holds them (16 for a decode step). Returns ``out [B, T, H, D]``.
+    ``cu_seqlens`` packs N sequences as in :func:`sparse_delta_memory` (bank ``[N, H, S, D]``).
 
     Example::
 
@@ -166,7 +221,7 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
         ...                                    write_w[:, :1], read_idx[:, :1], read_w[:, :1])
     """
     _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, "none",
-                inplace=True)
+                cu_seqlens, inplace=True)
     if not bank.is_contiguous():
         raise ValueError("bank must be contiguous to be updated in place")
     v, beta, write_idx, write_w, read_idx, read_w = (
@@ -175,8 +230,8 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
     T = v.shape[1]
     C = next(c for c in CHUNK_SIZES if c >= min(T, chunk_size))
     with torch.no_grad():
-        prep, X, QX = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
-                              bank.shape[-2], C)
+        prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
+                                      bank.shape[-2], C, cu_seqlens)
         _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
         return ops.recurrence_fwd_(bank, v, beta, write_idx, read_idx, gather_w, gather_r,
-                                   scatter_w, row_decay, rank, X, QX)
+                                   scatter_w, row_decay, rank, X, QX, *tables)

@@ -1,7 +1,12 @@
 """Every Triton kernel compiles for the H200 (sm_90), in every configuration the kernel tests
 launch. Triton's interpreter runs kernels without compiling them, so a kernel can pass every
 CPU test and still fail to compile for a GPU; this test compiles them here, with no GPU, through
-Triton's own compiler (down to PTX and machine code with the bundled ptxas)."""
+Triton's own compiler (down to PTX and machine code with the bundled ptxas).
+
+And Inductor sees each kernel write only its outputs. ``torch.compile`` decides which tensors a
+user-defined Triton kernel mutates by analysing its Triton IR; a tensor it wrongly counts as
+written (an index tensor, say) is cloned before every launch and copied back afterwards, into
+the caller's own inputs when they are graph inputs. The analysis runs here on every launch."""
 
 from __future__ import annotations
 
@@ -11,12 +16,11 @@ import pytest
 import torch
 
 import sdm_ops
-from tests.helpers import HAS_CUDA, make_sdm_inputs, on_kernels, requires_kernels
+from tests.helpers import HAS_CUDA, KERNEL_DEVICE, make_sdm_inputs, on_kernels, requires_kernels
 
 triton = pytest.importorskip("triton")
 
-pytestmark = [requires_kernels,
-              pytest.mark.skipif(HAS_CUDA, reason="on CUDA the kernel tests compile every kernel")]
+pytestmark = requires_kernels
 
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
           torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
@@ -106,7 +110,7 @@ def _launches():
              dict(T=9, W=0, R=2, D=64), dict(T=40, W=8, R=8, D=16)]
     with _recording(calls), on_kernels():
         for i, case in enumerate(cases):
-            a = make_sdm_inputs(B=1, H=1, S=9, seed=i, **case)
+            a = make_sdm_inputs(B=1, H=1, S=9, seed=i, device=KERNEL_DEVICE, **case)
             for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
                 if name in a:
                     a[name].requires_grad_()
@@ -118,10 +122,10 @@ def _launches():
                 rest = {k: v.detach() for k, v in a.items() if k != "bank"}
                 sdm_ops.sparse_delta_memory_(state, **rest)
         for dtype in (torch.float32, torch.bfloat16):
-            raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, requires_grad=True)
+            raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
             sdm_ops.product_key_topk(raw, (4, 5, 3), 7).val.sum().backward()
-        A, QK = torch.randn(2, 2, 40, 40).unbind(0)
-        beta = torch.rand(2, 40, requires_grad=True)
+        A, QK = torch.randn(2, 2, 40, 40, device=KERNEL_DEVICE).unbind(0)
+        beta = torch.rand(2, 40, device=KERNEL_DEVICE, requires_grad=True)
         X, QX = sdm_ops.wy_solve(A.requires_grad_(), beta, QK.requires_grad_())
         (X.sum() + QX.sum()).backward()
     seen, unique = set(), []
@@ -135,18 +139,82 @@ def _launches():
     return unique
 
 
-def test_every_launched_kernel_configuration_compiles_for_sm90():
+# Inductor's analysis of which tensor arguments a kernel writes, per launch; a fresh interpreter
+# without TRITON_INTERPRET (the analysis generates Triton IR), targeting sm_90 without a GPU.
+_WRITES = r"""
+import importlib, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+if not torch.cuda.is_available():
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+    triton.runtime.driver.set_active(_Sm90())
+from torch._higher_order_ops import triton_kernel_wrap as tkw
+dtypes = json.loads(sys.argv[1])
+result = []
+for module, name, sig, consts, options in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(module), name)
+    kwargs = {n: torch.empty(2, dtype=getattr(torch, dtypes[t])) if t in dtypes else 2
+              for n, t in sig.items() if t != "constexpr"}
+    kwargs.update(consts)
+    if hasattr(tkw, "identify_accessed_tensors"):
+        deps = tkw.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes
+        written = [d.name for d in deps]
+    else:
+        written = tkw.identify_mutated_tensors(kernel, kwargs, {})
+    result.append([name, sorted(n for n in written if torch.is_tensor(kwargs.get(n)))])
+print(json.dumps(result))
+"""
+
+# What each kernel writes (its outputs and scratch); every other tensor argument is read only.
+_OUTPUTS = {
+    "_chunk_prepare_kernel": {"A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay",
+                              "rank", "read_rank"},
+    "_chunk_prepare_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
+    "_recurrence_fwd_kernel": {"bank", "out", "res", "delta", "scratch", "snap", "snap_scale"},
+    "_recurrence_bwd_kernel": {"bank", "dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw",
+                               "p_rd"},
+    "_dual_matmul_bwd_kernel": {"dX", "dQX", "dbeta"},
+    "_fwd_diag_kernel": {"X"},
+    "_fwd_panel_kernel": {"X", "QX"},
+    "_bwd_panel_kernel": {"G", "W"},
+    "_bwd_row_kernel": {"dA", "dBeta", "dQK"},
+    "_product_key_topk_fwd": {"val_ptr", "lin_ptr"},
+    "_product_key_topk_bwd": {"grad_ptr"},
+}
+
+
+def _run_fresh(script: str, payload, *argv: str) -> list:
     import json
     import os
     import subprocess
     import sys
-    launches = [_signature(*launch) for launch in _launches()]
-    names = {name for _, name, _, _, _ in launches}
-    assert {"_chunk_prepare_kernel", "_chunk_prepare_bwd_kernel", "_recurrence_fwd_kernel",
-            "_recurrence_bwd_kernel", "_dual_matmul_bwd_kernel"} <= names, names
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
+    done = subprocess.run([sys.executable, "-c", script, *argv], input=json.dumps(payload),
                           capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on CUDA the kernel tests compile every kernel")
+def test_every_launched_kernel_configuration_compiles_for_sm90():
+    launches = [_signature(*launch) for launch in _launches()]
+    names = {name for _, name, _, _, _ in launches}
+    assert set(_OUTPUTS) <= names, f"kernels never launched: {set(_OUTPUTS) - names}"
+    failures = _run_fresh(_COMPILER, launches)
     assert not failures, "kernels that do not compile for sm_90:\n" + "\n".join(failures)
+
+
+def test_inductor_counts_only_each_kernels_outputs_as_written():
+    import json
+    launches = [_signature(*launch) for launch in _launches()]
+    dtypes = {t: str(d).removeprefix("torch.") for d, t in _TYPES.items()}
+    seen = set()
+    for name, written in _run_fresh(_WRITES, launches, json.dumps(dtypes)):
+        seen.add(name)
+        assert written, f"{name}: the analysis found no tensor written"
+        extra = set(written) - _OUTPUTS[name]
+        assert not extra, (f"{name}: Inductor counts read-only arguments {sorted(extra)} as "
+                           f"written, so compiled graphs clone them around every launch")
+    assert seen == set(_OUTPUTS), f"kernels not analysed: {set(_OUTPUTS) - seen}"

@@ -155,3 +155,31 @@ def test_a_few_training_steps_lower_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0], f"losses did not fall: {losses}"
+
+
+def test_packed_sequences_equal_each_sequence_alone_forward_and_gradients():
+    layer = make_layer()
+    lengths = [5, 0, 21, 11]
+    xs = [torch.randn(1, n, D_MODEL, generator=torch.Generator().manual_seed(10 + i))
+          for i, n in enumerate(lengths)]
+    cu = torch.tensor([0, 5, 5, 26, 37], dtype=torch.int32)
+    packed = torch.cat(xs, 1).requires_grad_()
+    y, state = layer(packed, return_state=True, cu_seqlens=cu)
+    assert y.shape == (1, 37, D_MODEL) and state.shape == (4, 2, 16, 16)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad((y * g).sum(), [packed, layer.value.weight])
+    alone = [x.clone().requires_grad_() for x in xs]
+    outs = [layer(x, return_state=True) for x in alone]
+    want_y = torch.cat([o[0] for o in outs], 1)
+    want = torch.autograd.grad((want_y * g).sum(), [*alone, layer.value.weight])
+    assert_close(y, want_y, rtol=RTOL, name="y")
+    assert_close(state, torch.cat([o[1] for o in outs]), rtol=RTOL, name="final states")
+    assert_close(grads[0], torch.cat(want[:-1], 1), rtol=RTOL, name="dx")
+    assert_close(grads[1], want[-1], rtol=RTOL, name="d value.weight")
+    # Decoding continues each sequence from its own state: one token for each.
+    step = torch.randn(1, 4, D_MODEL, generator=torch.Generator().manual_seed(4))
+    one = torch.arange(5, dtype=torch.int32)
+    got = layer.step_(step, state.detach().clone(), cu_seqlens=one)
+    for n in range(4):
+        want_n = layer(step[:, n:n + 1], state=state[n:n + 1].detach())
+        assert_close(got[:, n:n + 1], want_n, rtol=RTOL, name=f"step of sequence {n}")

@@ -30,9 +30,11 @@ from torch.testing._internal.optests import dontGenerateOpCheckTests, generate_o
 
 import sdm_ops
 from sdm_ops import ops
+from sdm_ops.recurrence import _chunk_betas
 from sdm_ops.reference import (QUANT_GROUP, Prepared, dequantize_rows,
                                product_key_topk_reference, sdm_chunked_reference,
-                               sdm_token_reference, wy_solve_reference)
+                               sdm_token_reference, sdm_varlen_reference, varlen_chunks,
+                               wy_solve_reference)
 from tests.helpers import (HAS_CUDA, assert_close, make_raw, make_sdm_inputs, make_wy_inputs,
                            to_float64)
 
@@ -90,14 +92,15 @@ def recurrence_values(args: dict, chunk_size: int) -> dict:
     (``sdm::chunk_prepare``, outputs named as ``reference.Prepared``), the WY solve (X, QX),
     ``bank_rows`` and ``chunk_size``."""
     a = {k: v.contiguous() for k, v in args.items()}
-    values = dict(a, decay=a.get("decay"), bank_rows=a["bank"].shape[-2], chunk_size=chunk_size)
+    C, T = chunk_size, a["beta"].shape[1]
+    chunks, seq_chunks = (None, None) if "cu_seqlens" not in a else varlen_chunks(
+        a["cu_seqlens"], T, C)
+    values = dict(a, decay=a.get("decay"), bank_rows=a["bank"].shape[-2], chunk_size=C,
+                  chunks=chunks, seq_chunks=seq_chunks)
     prep = ops.chunk_prepare(*op_args(ops.chunk_prepare, values))
     assert len(prep) == len(Prepared._fields), "sdm::chunk_prepare no longer returns Prepared"
     values.update(zip(Prepared._fields, prep))
-    C, (B, T, H) = chunk_size, a["beta"].shape
-    N = values["A"].shape[2]
-    betas = torch.nn.functional.pad(a["beta"].float().transpose(1, 2), (0, N * C - T))
-    X, QX = ops.wy_solve(values["A"].reshape(-1, C, C), betas.reshape(-1, C),
+    X, QX = ops.wy_solve(values["A"].reshape(-1, C, C), _chunk_betas(a["beta"], C, chunks),
                          values["QK"].reshape(-1, C, C))
     values.update(X=X.view(values["A"].shape), QX=QX.view(values["A"].shape))
     return values
@@ -263,6 +266,18 @@ class OpsNumerics:
             assert_close(step, want_out[:, t:t + 1], rtol=RTOL, name=f"out (step {t})")
         assert_close(bank, want_bank, rtol=RTOL, name="bank")
 
+    def test_sparse_delta_memory_packed_batch_equals_each_sequence_alone(self):
+        lengths = [4, 0, 21, 16]
+        args = make_sdm_inputs(4, sum(lengths), 2, 16, 20, 3, 2, seed=14, decay=True,
+                               shared=False, device=self.device)
+        args = {k: (v[:1] if k != "bank" else v) for k, v in args.items()}
+        cu = torch.tensor([0, 4, 4, 25, 41], dtype=torch.int64, device=self.device)
+        out, bank = sdm_ops.sparse_delta_memory(**args, cu_seqlens=cu, chunk_size=16)
+        want_out, want_bank = sdm_varlen_reference(**to_float64(args), cu_seqlens=cu.cpu(),
+                                                   chunk_size=16)
+        assert_close(out, want_out, rtol=RTOL, name="out")
+        assert_close(bank, want_bank, rtol=RTOL, name="bank")
+
     def test_recurrence_fwd_snapshots_hold_chunk_start_rows(self):
         args = make_sdm_inputs(1, 40, 2, 32, 16, 3, 2, seed=13, decay=True, shared=False,
                                device=self.device)
@@ -366,11 +381,19 @@ def test_opcheck_product_key_topk_backward(device, factors, k, dtype):
     opcheck(ops.product_key_topk_backward, (lin, grad_val, list(factors), dtype))
 
 
-def recurrence_operands(device, T=21, C=16) -> dict:
-    """Inputs of the recurrence operators by name (decay, per-batch bank, chunk size C)."""
-    args = make_sdm_inputs(2, T, 2, 16, 20, 3, 2, seed=26, decay=True, shared=False,
-                           device=device)
-    return recurrence_values(args, C)
+def recurrence_operands(device, T=21, C=16, packed=False) -> dict:
+    """Inputs of the recurrence operators by name (decay, per-batch bank, chunk size C); with
+    ``packed``, sequences of lengths 0, 5, T and 17 packed into one batch."""
+    if not packed:
+        args = make_sdm_inputs(2, T, 2, 16, 20, 3, 2, seed=26, decay=True, shared=False,
+                               device=device)
+        return recurrence_values(args, C)
+    lengths = [0, 5, T, 17]
+    args = make_sdm_inputs(len(lengths), sum(lengths), 2, 16, 20, 3, 2, seed=26, decay=True,
+                           shared=False, device=device)
+    args = {k: (v[:1] if k != "bank" else v) for k, v in args.items()}
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return recurrence_values(dict(args, cu_seqlens=offsets.to(device)), C)
 
 
 def with_grad(values: dict, names) -> dict:
@@ -379,8 +402,9 @@ def with_grad(values: dict, names) -> dict:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck_chunk_prepare(device, requires_grad):
-    values = recurrence_operands(device)
+@pytest.mark.parametrize("packed", [False, True])
+def test_opcheck_chunk_prepare(device, requires_grad, packed):
+    values = recurrence_operands(device, packed=packed)
     if requires_grad:
         values = with_grad(values, ("write_w", "read_w", "decay"))
     opcheck(ops.chunk_prepare, op_args(ops.chunk_prepare, values))
@@ -388,17 +412,18 @@ def test_opcheck_chunk_prepare(device, requires_grad):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck_recurrence_fwd(device, requires_grad):
-    values = recurrence_operands(device)
+@pytest.mark.parametrize("packed", [False, True])
+def test_opcheck_recurrence_fwd(device, requires_grad, packed):
+    values = recurrence_operands(device, packed=packed)
     if requires_grad:
         values = with_grad(values, ("v", "beta", "gather_w", "gather_r", "scatter_w", "row_decay",
                                     "X", "QX", "bank"))
     opcheck(ops.recurrence_fwd, op_args(ops.recurrence_fwd, dict(values, snapshot="int4")))
 
 
-def backward_operands(device, snapshot="none") -> dict:
+def backward_operands(device, snapshot="none", packed=False) -> dict:
     """Inputs of the backward operators by name: a forward's saved tensors and gradients."""
-    values = recurrence_operands(device)
+    values = recurrence_operands(device, packed=packed)
     out, bank_out, snap, snap_scale, res, delta = ops.recurrence_fwd(
         *op_args(ops.recurrence_fwd, dict(values, snapshot=snapshot)))
     g = torch.Generator().manual_seed(27)
@@ -413,24 +438,26 @@ def backward_operands(device, snapshot="none") -> dict:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("snapshot", ["none", "fp8"])
-def test_opcheck_recurrence_bwd(device, snapshot):
-    values = backward_operands(device, snapshot)
+@pytest.mark.parametrize("snapshot,packed", [("none", False), ("fp8", False), ("none", True)])
+def test_opcheck_recurrence_bwd(device, snapshot, packed):
+    values = backward_operands(device, snapshot, packed)
     opcheck(ops.recurrence_bwd, op_args(ops.recurrence_bwd, values))
     opcheck(ops.recurrence_bwd, op_args(ops.recurrence_bwd, dict(values, dout=None)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_chunk_prepare_backward(device):
-    values = backward_operands(device)
+@pytest.mark.parametrize("packed", [False, True])
+def test_opcheck_chunk_prepare_backward(device, packed):
+    values = backward_operands(device, packed=packed)
     opcheck(ops.chunk_prepare_backward, op_args(ops.chunk_prepare_backward, values))
     opcheck(ops.chunk_prepare_backward, op_args(ops.chunk_prepare_backward,
                                                 dict(values, decay=None)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_recurrence_fwd_inplace_decode_step(device):
-    values = recurrence_operands(device, T=1)
+@pytest.mark.parametrize("packed", [False, True])
+def test_opcheck_recurrence_fwd_inplace_decode_step(device, packed):
+    values = recurrence_operands(device, T=1, packed=packed)
     opcheck(ops.recurrence_fwd_, op_args(ops.recurrence_fwd_, values))
 
 

@@ -1,9 +1,10 @@
 """Tile loaders shared by the recurrence kernels: token rows and their entries.
 
 Tokens are rows of [B, T, H, ...] tensors: token t of stream (b, h) is row (b * T + t) * H + h
-(int64). An entry is padding when it lies past T or past the entry count, or when its index is
-outside [0, S): every kernel masks such entries identically, so no index reaches memory outside
-the bank.
+(int64). A chunk is its first token and its token count: computed for a dense batch, read from
+the chunk table for a packed one. An entry is padding when its token lies past the chunk's
+count or it lies past the entry count, or when its index is outside [0, S): every kernel masks
+such entries identically, so no index reaches memory outside the bank.
 """
 
 import triton
@@ -11,20 +12,38 @@ import triton.language as tl
 
 
 @triton.jit
-def token_rows(b, h, T, H, t0, i):
-    """Rows of the chunk-local tokens ``i`` of a chunk starting at ``t0``, and which exist."""
-    return (b.to(tl.int64) * T + t0 + i) * H + h, (t0 + i) < T
+def dense_chunk(n, p, T, H, C: tl.constexpr):
+    """(first token, token count) of chunk n of stream p = b * H + h of a dense [B, T, H, ...]
+    batch; tokens are numbered b * T + t (int64), and the count exceeds C before the last
+    chunk. A packed batch reads both from its chunk table instead (``reference.varlen_chunks``)."""
+    return (p // H).to(tl.int64) * T + n * C, T - n * C
 
 
 @triton.jit
-def entry_tile(idx, tok, tok_ok, E: tl.constexpr, EP: tl.constexpr, S):
-    """The E entries of each token of ``tok`` as a [len(tok), EP] tile: flat offsets, the mask
-    of existing entries, their slots (int64) and which slots are valid."""
+def token_rows(tok0, h, H, count, i):
+    """Rows of the chunk-local tokens ``i`` of a chunk starting at token ``tok0`` and holding
+    ``count`` tokens, and which exist."""
+    return (tok0 + i) * H + h, i < count
+
+
+@triton.jit
+def entry_offsets(tok, tok_ok, E: tl.constexpr, EP: tl.constexpr):
+    """The E entries of each token of ``tok`` as a [len(tok), EP] tile: flat offsets and the
+    mask of existing entries."""
     o = tl.arange(0, EP)
-    ent = tok[:, None] * E + o[None, :]
-    exists = tok_ok[:, None] & (o[None, :] < E)
-    s = tl.load(idx + ent, mask=exists, other=-1).to(tl.int64)
-    return ent, exists, s, exists & (s >= 0) & (s < S)
+    return tok[:, None] * E + o[None, :], tok_ok[:, None] & (o[None, :] < E)
+
+
+@triton.jit
+def bank_slots(raw, exists, S):
+    """Slots (int64) from indices ``raw`` loaded under ``exists``, and which are valid.
+
+    Callers load the indices themselves (``tl.load(idx + ent, mask=exists, other=-1)``) rather
+    than have a helper return them: Inductor's analysis of which tensors a kernel writes follows
+    a store's address back through helper calls to their pointer arguments, and would count the
+    index tensor as written (cloning it, and copying it back, in every compiled graph)."""
+    s = raw.to(tl.int64)
+    return s, exists & (s >= 0) & (s < S)
 
 
 @triton.jit

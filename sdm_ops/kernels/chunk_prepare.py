@@ -23,6 +23,11 @@ int index dtype. Outputs A, QK [B, H, N, C, C] float32 (every element written; z
 the strict lower / lower triangle); gather_w, scatter_w, row_decay [B, T, H, W] float32;
 gather_r [B, T, H, R] float32; rank [B, T, H, W] and read_rank [B, T, H, R] int32.
 
+A packed batch (``cu_seqlens``; B = 1) has chunk slots instead of chunks: the table ``chunks``
+[NC, 2] (``reference.varlen_chunks``) gives each slot's first token and token count, A and QK
+are [1, H, NC, C, C], and the grid is (NC, H, C // BJ); an unused slot has no tokens, so its
+tiles are written zero.
+
 Grid: (N, B * H, C // BJ). A program owns BJ tokens ("own" entries: their W write and R read
 entries) of one chunk and walks the chunk's C tokens in order, matching each token's entries
 against its own. It writes the columns of its tokens in A and QK and its entries' weights.
@@ -36,7 +41,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._tiles import token_entries
+from ._tiles import dense_chunk, token_entries
 
 _NUM_WARPS = 4
 _TILE = 4096     # own entries x token entries compared at once
@@ -64,24 +69,27 @@ def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: 
 
 @triton.jit
 def _chunk_prepare_kernel(
-    write_idx, write_w, decay, read_idx, read_w,
+    write_idx, write_w, decay, read_idx, read_w, chunks,
     A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
     T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr,
+    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
     j0 = tl.program_id(2) * BJ
-    b = p // H
     h = p % H
-    t0 = n * C
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     jj = j0 + tl.arange(0, BJ)                   # own tokens (chunk-local)
     ow = tl.arange(0, WP)
     orr = tl.arange(0, RP)
-    own_ok = (t0 + jj) < T
+    own_ok = jj < count
     # Entry (b, t, h, j) of a [B, T, H, E] tensor lies at ((b * T + t) * H + h) * E + j.
-    tok_row = (b.to(tl.int64) * T + t0 + jj) * H + h          # [BJ]
+    tok_row = (tok0 + jj) * H + h                             # [BJ]
     w_off = tok_row[:, None] * W + ow[None, :]                 # [BJ, WP]
     w_ok = own_ok[:, None] & (ow[None, :] < W)
     r_off = tok_row[:, None] * R + orr[None, :]
@@ -105,10 +113,10 @@ def _chunk_prepare_kernel(
     flat_b = jj[:, None] * WP + ow[None, :]
     flat_r = jj[:, None] * RP + orr[None, :]
 
-    a_base = ((b.to(tl.int64) * H + h) * tl.cdiv(T, C) + n) * C * C
+    a_base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
     for t in range(0, C):
-        row_t = (b.to(tl.int64) * T + t0 + t) * H + h
-        ok_t = (t0 + t) < T
+        row_t = (tok0 + t) * H + h
+        ok_t = t < count
         # Token t's entries; padding gets slots that match nothing (-3 and -4).
         s_t, w_t, v_t = token_entries(write_idx, write_w, row_t, ok_t, W, WP, S, -3)
         d_t = _token_decays(decay, row_t, v_t, W, WP, HAS_DECAY)
@@ -155,22 +163,29 @@ def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     return wp, rp, bj
 
 
+def chunk_grid(B: int, T: int, H: int, C: int, chunks) -> tuple[int, int]:
+    """(chunks, streams) of the per-chunk grids: (ceil(T / C), B * H), or for a packed batch
+    (its chunk slots, H)."""
+    return (triton.cdiv(T, C), B * H) if chunks is None else (chunks.shape[0], H)
+
+
 def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, chunk_size: int,
-                  A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank) -> None:
+                  chunks, A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank) -> None:
     """Launch phase 1; see the module docstring for the operands (all contiguous)."""
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     C = chunk_size
-    N = triton.cdiv(T, C)
-    if B * H * N == 0:
+    N, P = chunk_grid(B, T, H, C, chunks)
+    if P * N == 0:
         return
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
-    wrap_triton(_chunk_prepare_kernel)[(N, B * H, C // bj)](
+    wrap_triton(_chunk_prepare_kernel)[(N, P, C // bj)](
         write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
+        write_idx if chunks is None else chunks,
         A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
         T, H, bank_rows,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, HAS_DECAY=decay is not None,
-        num_warps=_NUM_WARPS)
+        VARLEN=chunks is not None, num_warps=_NUM_WARPS)
 
 
 # ---------------------------------------------------------------------------
@@ -203,19 +218,22 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
 
 @triton.jit
 def _chunk_prepare_bwd_kernel(
-    write_idx, write_w, decay, read_idx, read_w,
+    write_idx, write_w, decay, read_idx, read_w, chunks,
     dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
     d_write_w, d_decay, d_read_w,
     T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr,
+    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
     j0 = tl.program_id(2) * BJ
-    b = p // H
     h = p % H
-    t0 = n * C
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     E: tl.constexpr = BJ * WP
     ER: tl.constexpr = BJ * RP
     e = tl.arange(0, E)
@@ -228,18 +246,18 @@ def _chunk_prepare_bwd_kernel(
     orr = tl.arange(0, RP)
     cols = tl.arange(0, C)
 
-    def_ok = (t0 + te < T) & (we < W)
-    eo = ((b.to(tl.int64) * T + t0 + te) * H + h) * W + we
+    def_ok = (te < count) & (we < W)
+    eo = ((tok0 + te) * H + h) * W + we
     s_e = tl.load(write_idx + eo, mask=def_ok, other=-1).to(tl.int64)
     ok_e = def_ok & (s_e >= 0) & (s_e < S)
     s_e = tl.where(ok_e, s_e, -1)
-    rdef_ok = (t0 + ti < T) & (wr < R)
-    ro = ((b.to(tl.int64) * T + t0 + ti) * H + h) * R + wr
+    rdef_ok = (ti < count) & (wr < R)
+    ro = ((tok0 + ti) * H + h) * R + wr
     s_r = tl.load(read_idx + ro, mask=rdef_ok, other=-1).to(tl.int64)
     ok_r = rdef_ok & (s_r >= 0) & (s_r < S)
     s_r = tl.where(ok_r, s_r, -2)
 
-    a_base = ((b.to(tl.int64) * H + h) * tl.cdiv(T, C) + n) * C * C
+    a_base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
     # Forward walk.
     fwd = tl.full((E,), 1.0, tl.float32)
     ub = tl.full((E,), 1.0, tl.float32)       # prod_{t < t_e} d_t
@@ -251,8 +269,8 @@ def _chunk_prepare_bwd_kernel(
     fwd_k = tl.zeros((E, C), tl.float32)
     fwd_q = tl.zeros((E, C), tl.float32)
     for t in range(0, C):
-        row_t = (b.to(tl.int64) * T + t0 + t) * H + h
-        ok_t = (t0 + t) < T
+        row_t = (tok0 + t) * H + h
+        ok_t = t < count
         s_t, w_t, v_t = token_entries(write_idx, write_w, row_t, ok_t, W, WP, S, -3)
         d_t = _token_decays(decay, row_t, v_t, W, WP, HAS_DECAY)
         gw_t = tl.load(d_gather_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
@@ -303,8 +321,8 @@ def _chunk_prepare_bwd_kernel(
     rdw = tl.zeros((ER,), tl.float32)
     for tt in range(0, C):
         t = C - 1 - tt
-        row_t = (b.to(tl.int64) * T + t0 + t) * H + h
-        ok_t = (t0 + t) < T
+        row_t = (tok0 + t) * H + h
+        ok_t = t < count
         s_t, w_t, v_t = token_entries(write_idx, write_w, row_t, ok_t, W, WP, S, -3)
         d_t = _token_decays(decay, row_t, v_t, W, WP, HAS_DECAY)
         sw_t = tl.load(d_scatter_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
@@ -348,20 +366,21 @@ def chunk_prepare_bwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
 
 def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
                       dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-                      d_write_w, d_decay, d_read_w) -> None:
+                      d_write_w, d_decay, d_read_w, chunks=None) -> None:
     """Launch the phase-1 backward (see above); dA, dQK [B, H, N, C, C] float32 and the
     per-entry gradients float32, all contiguous; d_decay is ignored without decay."""
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     C = dA.shape[-1]
-    N = triton.cdiv(T, C)
-    if B * H * N == 0:
+    N, P = chunk_grid(B, T, H, C, chunks)
+    if P * N == 0:
         return
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
-    wrap_triton(_chunk_prepare_bwd_kernel)[(N, B * H, C // bj)](
+    wrap_triton(_chunk_prepare_bwd_kernel)[(N, P, C // bj)](
         write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
+        write_idx if chunks is None else chunks,
         dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
         d_write_w, d_write_w if d_decay is None else d_decay, d_read_w,
         T, H, bank_rows,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, HAS_DECAY=decay is not None,
-        num_warps=_NUM_WARPS)
+        VARLEN=chunks is not None, num_warps=_NUM_WARPS)

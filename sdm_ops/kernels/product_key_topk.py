@@ -65,6 +65,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 # Pinned launch geometry. Forward: factor columns and stage candidates go in chunks of at
 # most _FWD_CHUNK; rows per program such that the widest chunk times ROWS is about
@@ -322,7 +323,7 @@ def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: to
         return
     meta = _fwd_config(list(factors), k)
     grid = (triton.cdiv(n, meta["ROWS"]),)
-    torch.library.wrap_triton(_product_key_topk_fwd)[grid](rows, val, lin, n, **meta)
+    wrap_triton(_product_key_topk_fwd)[grid](rows, val, lin, n, **meta)
 
 
 # ---------------------------------------------------------------------------
@@ -390,6 +391,6 @@ def product_key_topk_bwd(lin: torch.Tensor, grad_val: torch.Tensor, factors: lis
         widest = max(widest, bc)
     block_rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
     grid = (triton.cdiv(n, block_rows),)
-    torch.library.wrap_triton(_product_key_topk_bwd)[grid](
+    wrap_triton(_product_key_topk_bwd)[grid](
         lin, grad_val, grad, n, KK=kk, W=sum(factors), NF=len(factors), ROWS=block_rows,
         num_warps=_BWD_WARPS, **meta)

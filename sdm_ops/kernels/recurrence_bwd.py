@@ -21,7 +21,8 @@ Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (
 dv [B, T, H, D] (v's dtype); partials [B, T, H, W or R, D // 16] float32; dbank [B, H, S, D]
 float32 holding the gradient of the final bank on entry and of the initial bank on exit;
 bank [B, H, S, D] holding the final bank on entry and the (restored) initial bank on exit.
-Indices outside [0, S) are masked exactly as in the forward.
+Indices outside [0, S) are masked exactly as in the forward. A packed batch walks each
+sequence's chunk slots in reverse, as the forward walks them (see ``recurrence_fwd``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._tiles import entry_tile, token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
+from .chunk_prepare import chunk_grid
 from .recurrence_fwd import BLOCK_D, SNAP_CODES, recurrence_fwd_geometry
 
 _ROWS = 32
@@ -71,34 +73,45 @@ def _load_snapshot(snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.
 @triton.jit
 def _recurrence_bwd_kernel(
     beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-    X, QX, bank, snap, snap_scale, delta, dout,
+    X, QX, bank, snap, snap_scale, delta, dout, chunks, seq_chunks,
     dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
-    T, H, S,
+    T, H, S, NC,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
-    MODE: tl.constexpr, HAS_DOUT: tl.constexpr,
+    MODE: tl.constexpr, HAS_DOUT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     p = tl.program_id(0)
     c0 = tl.program_id(1) * BD
     cols = c0 + tl.arange(0, BD)
-    b = p // H
     h = p % H
     NB: tl.constexpr = D // BD
     pid_c = tl.program_id(1)
-    stream = (b.to(tl.int64) * H + h) * S * D
+    stream = p.to(tl.int64) * S * D
     bank_p = bank + stream
     dbank_p = dbank + stream
-    N = tl.cdiv(T, C)
-    for nn in range(0, N):
-        n = N - 1 - nn
-        t0 = n * C
+    if VARLEN:      # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
+        lo = tl.load(seq_chunks + p // H).to(tl.int32)
+        hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
+        tiles = h.to(tl.int64) * NC
+    else:
+        lo = 0
+        hi = tl.cdiv(T, C)
+        tiles = p.to(tl.int64) * hi
+    for nn in range(lo, hi):
+        n = lo + hi - 1 - nn
+        if VARLEN:
+            tok0 = tl.load(chunks + 2 * n)
+            count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+        else:
+            tok0, count = dense_chunk(n, p, T, H, C)
         npass = 1
         rpass = 0
         # (a) Restore the rows the chunk wrote.
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(b, h, T, H, t0, ii)
-            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
+            tok, tok_ok = token_rows(tok0, h, H, count, ii)
+            went, wm = entry_offsets(tok, tok_ok, W, WP)
+            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
             rk = tl.load(rank + went, mask=ok, other=-1)
             npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
             first = ok & (rk == 0)
@@ -109,8 +122,9 @@ def _recurrence_bwd_kernel(
         # (b) ddelta, dscatter_w, drow_decay from dM at the chunk's end.
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(b, h, T, H, t0, ii)
-            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
+            tok, tok_ok = token_rows(tok0, h, H, count, ii)
+            went, wm = entry_offsets(tok, tok_ok, W, WP)
+            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
             rk = tl.load(rank + went, mask=ok, other=-1)
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
             dm1 = tl.load(dbank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0)
@@ -125,26 +139,27 @@ def _recurrence_bwd_kernel(
         tl.debug_barrier()
         # (c) du = X^T ddelta + QX^T dout.
         ci = tl.arange(0, C)
-        tok_c, ok_c = token_rows(b, h, T, H, t0, ci)
+        tok_c, ok_c = token_rows(tok0, h, H, count, ci)
         ok_c = ok_c[:, None]
         dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)
         if HAS_DOUT:
             do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0).to(tl.float32)
-        x_base = ((b.to(tl.int64) * H + h) * N + n) * C * C
+        x_base = (tiles + n) * C * C
         for rb in range(0, C, RB):
             ri = rb + tl.arange(0, RB)
             xo = x_base + ci[None, :] * C + ri[:, None]             # rows ri of X^T
             acc = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
             if HAS_DOUT:
                 acc = tl.dot(tl.load(QX + xo), do, acc, input_precision="ieee")
-            tok_r, ok_r = token_rows(b, h, T, H, t0, ri)
+            tok_r, ok_r = token_rows(tok0, h, H, count, ri)
             tl.store(du + tok_r[:, None] * D + cols[None, :], acc, mask=ok_r[:, None])
         tl.debug_barrier()
         # (d) dv, dgather_w, dgather_r; dM at the written rows (rank 0).
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(b, h, T, H, t0, ii)
-            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
+            tok, tok_ok = token_rows(tok0, h, H, count, ii)
+            went, wm = entry_offsets(tok, tok_ok, W, WP)
+            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
             rk = tl.load(rank + went, mask=ok, other=-1)
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
             duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
@@ -154,7 +169,8 @@ def _recurrence_bwd_kernel(
             ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
             m0 = tl.load(ptr, mask=ok[:, :, None], other=0.0).to(tl.float32)
             tl.store(p_gw + went * NB + pid_c, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
-            rent, rm, q, qok = entry_tile(read_idx, tok, tok_ok, R, RP, S)
+            rent, rm = entry_offsets(tok, tok_ok, R, RP)
+            q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
             rrk = tl.load(read_rank + rent, mask=qok, other=0)
             rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
             qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :], mask=qok[:, :, None],
@@ -177,10 +193,11 @@ def _recurrence_bwd_kernel(
         for k in range(1, npass + rpass):
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
-                tok, tok_ok = token_rows(b, h, T, H, t0, ii)
+                tok, tok_ok = token_rows(tok0, h, H, count, ii)
                 bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
                 if k < npass:
-                    went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
+                    went, wm = entry_offsets(tok, tok_ok, W, WP)
+                    s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
                     rk = tl.load(rank + went, mask=ok, other=-1)
                     mine = ok & (rk == k)
                     gw = tl.load(gather_w + went, mask=mine, other=0.0)
@@ -192,7 +209,9 @@ def _recurrence_bwd_kernel(
                 else:
                     # Read entries: names differ from the branch above (tiles of another shape).
                     if HAS_DOUT:
-                        r_ent, r_m, r_s, r_ok = entry_tile(read_idx, tok, tok_ok, R, RP, S)
+                        r_ent, r_m = entry_offsets(tok, tok_ok, R, RP)
+                        r_raw = tl.load(read_idx + r_ent, mask=r_m, other=-1)
+                        r_s, r_ok = bank_slots(r_raw, r_m, S)
                         r_rk = tl.load(read_rank + r_ent, mask=r_ok, other=-1)
                         r_mine = r_ok & (r_rk == k - npass)
                         r_g = tl.load(gather_r + r_ent, mask=r_mine, other=0.0)
@@ -206,18 +225,21 @@ def _recurrence_bwd_kernel(
 
 
 @triton.jit
-def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, dX, dQX, dbeta, T, H,
+def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, chunks, dX, dQX, dbeta, T, H,
                             D: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                            HAS_DOUT: tl.constexpr):
-    """dX = ddelta u^T, dQX = dout u^T (u = beta res) and dbeta = du . res for one chunk."""
+                            HAS_DOUT: tl.constexpr, VARLEN: tl.constexpr):
+    """dX = ddelta u^T, dQX = dout u^T (u = beta res) and dbeta = du . res for one chunk (or
+    chunk slot: an unused one gets zero tiles)."""
     n = tl.program_id(0)
     p = tl.program_id(1)
-    b = p // H
     h = p % H
-    N = tl.cdiv(T, C)
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     ci = tl.arange(0, C)
-    tok = (b.to(tl.int64) * T + n * C + ci) * H + h
-    ok = ((n * C + ci) < T)
+    tok, ok = token_rows(tok0, h, H, count, ci)
     bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
     acc_x = tl.zeros((C, C), tl.float32)
     acc_q = tl.zeros((C, C), tl.float32)
@@ -233,7 +255,7 @@ def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, dX, dQX, dbeta, T, H,
             acc_q = tl.dot(tl.load(dout + off, mask=ok[:, None], other=0.0).to(tl.float32),
                            tl.trans(u), acc_q, input_precision="ieee")
         db += tl.sum(tl.load(du + off, mask=ok[:, None], other=0.0) * r, 1)
-    base = ((b.to(tl.int64) * H + h) * N + n) * C * C
+    base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
     tile = base + ci[:, None] * C + ci[None, :]
     tl.store(dX + tile, acc_x)
     tl.store(dQX + tile, acc_q)
@@ -242,7 +264,7 @@ def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, dX, dQX, dbeta, T, H,
 
 def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
                    read_rank, X, QX, res, delta, snap, snap_scale, snapshot: str, dout,
-                   bank, dbank, dv, dX, dQX, dbeta):
+                   bank, dbank, dv, dX, dQX, dbeta, chunks=None, seq_chunks=None):
     """Launch the phase-2 backward. ``bank`` (final bank, restored in place) and ``dbank``
     (gradient of the final bank, turned into that of the initial bank) are work buffers; dv,
     dX, dQX and dbeta are written whole. ``dout`` may be None (no gradient of ``out``).
@@ -251,7 +273,8 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
     S = bank.shape[-2]
-    N = triton.cdiv(T, C)
+    N, P = chunk_grid(B, T, H, C, chunks)
+    streams = bank.shape[0] * H         # B * H, or N * H for a packed batch
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     nb = D // BLOCK_D
     f32 = dict(dtype=torch.float32, device=res.device)
@@ -262,17 +285,20 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     p_rd = torch.empty(B, T, H, W, nb, **f32)
     p_gr = torch.empty(B, T, H, R, nb, **f32)
     has_dout = dout is not None
-    if B * H * T == 0:
-        return p_gw.sum(-1), p_gr.sum(-1), p_sw.sum(-1), p_rd.sum(-1)
-    wrap_triton(_recurrence_bwd_kernel)[(B * H, nb)](
-        beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-        X, QX, bank, snap, snap_scale if snap_scale.numel() else gather_w, delta,
-        dout if has_dout else delta,
-        dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
-        T, H, S,
-        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
-        MODE=SNAP_CODES[snapshot], HAS_DOUT=has_dout, num_warps=_NUM_WARPS)
-    wrap_triton(_dual_matmul_bwd_kernel)[(N, B * H)](
-        beta, res, ddelta, du, dout if has_dout else du, dX, dQX, dbeta, T, H,
-        D=D, C=C, BK=min(D, _DUAL_BLOCK_D), HAS_DOUT=has_dout, num_warps=_NUM_WARPS)
+    varlen = chunks is not None
+    if streams * T:
+        wrap_triton(_recurrence_bwd_kernel)[(streams, nb)](
+            beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+            X, QX, bank, snap, snap_scale if snap_scale.numel() else gather_w, delta,
+            dout if has_dout else delta, chunks if varlen else rank, seq_chunks if varlen else rank,
+            dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
+            T, H, S, N,
+            D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
+            MODE=SNAP_CODES[snapshot], HAS_DOUT=has_dout, VARLEN=varlen, num_warps=_NUM_WARPS)
+    if N * P:       # also when T = 0 in a packed batch: its unused chunk slots get zero tiles
+        wrap_triton(_dual_matmul_bwd_kernel)[(N, P)](
+            beta, res, ddelta, du, dout if has_dout else du, chunks if varlen else rank,
+            dX, dQX, dbeta, T, H,
+            D=D, C=C, BK=min(D, _DUAL_BLOCK_D), HAS_DOUT=has_dout, VARLEN=varlen,
+            num_warps=_NUM_WARPS)
     return p_gw.sum(-1), p_gr.sum(-1), p_sw.sum(-1), p_rd.sum(-1)

@@ -26,7 +26,11 @@ bf16: bfloat16, fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, W, D / 2]
 ``reference.quantize_rows``). Indices outside [0, S) are masked: they read and write nothing.
 Bank offsets are 64-bit.
 
-Grid: (B * H, D // 16), 4 warps, pinned.
+A packed batch (``cu_seqlens``; B = 1): a program owns sequence n = p // H of head h and walks
+its chunk slots seq_chunks[n] : seq_chunks[n + 1], each slot's tokens read from the table
+``chunks`` (see ``chunk_prepare``); X, QX are [1, H, NC, C, C] and the bank [N, H, S, D].
+
+Grid: (B * H, D // 16), or (N * H, D // 16) for a packed batch; 4 warps, pinned.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._tiles import entry_tile, token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 
 BLOCK_D = 16          # columns per program; also the snapshot quantization group
 _ROWS = 32            # rows of X per dot in step 2
@@ -100,28 +104,39 @@ def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
 @triton.jit
 def _recurrence_fwd_kernel(
     v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-    X, QX, bank, out, res, delta, scratch, snap, snap_scale,
-    T, H, S,
+    X, QX, bank, out, res, delta, scratch, snap, snap_scale, chunks, seq_chunks,
+    T, H, S, NC,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
-    MODE: tl.constexpr, SNAPSHOT: tl.constexpr,
+    MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     p = tl.program_id(0)
     c0 = tl.program_id(1) * BD
     cols = c0 + tl.arange(0, BD)
-    b = p // H
     h = p % H
-    bank_p = bank + (b.to(tl.int64) * H + h) * S * D
+    bank_p = bank + p.to(tl.int64) * S * D
     scratch_p = scratch + p.to(tl.int64) * C * D
-    N = tl.cdiv(T, C)
-    for n in range(0, N):
-        t0 = n * C
+    if VARLEN:      # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
+        lo = tl.load(seq_chunks + p // H).to(tl.int32)
+        hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
+        tiles = h.to(tl.int64) * NC
+    else:
+        lo = 0
+        hi = tl.cdiv(T, C)
+        tiles = p.to(tl.int64) * hi
+    for n in range(lo, hi):
+        if VARLEN:
+            tok0 = tl.load(chunks + 2 * n)
+            count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+        else:
+            tok0, count = dense_chunk(n, p, T, H, C)
         npass = 1
         # (1) Gathers: retrieved, inter, res = v - retrieved, snapshot.
         for tb in range(0, C, TB):
             ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(b, h, T, H, t0, ii)                   # [TB]
-            went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)  # [TB, WP]
+            tok, tok_ok = token_rows(tok0, h, H, count, ii)                   # [TB]
+            went, wm = entry_offsets(tok, tok_ok, W, WP)  # [TB, WP]
+            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
             g = tl.load(gather_w + went, mask=ok, other=0.0)
             rk = tl.load(rank + went, mask=ok, other=0)
             npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
@@ -130,7 +145,8 @@ def _recurrence_fwd_kernel(
             retrieved = tl.sum(g[:, :, None] * rows, 1)                    # [TB, BD]
             if SNAPSHOT:
                 _store_snapshot(snap, snap_scale, went, rows, wm, c0, cols, D, BD, MODE)
-            rent, rm, q, qok = entry_tile(read_idx, tok, tok_ok, R, RP, S)
+            rent, rm = entry_offsets(tok, tok_ok, R, RP)
+            q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
             gq = tl.load(gather_r + rent, mask=qok, other=0.0)
             qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :],
                             mask=qok[:, :, None], other=0.0).to(tl.float32)
@@ -142,17 +158,17 @@ def _recurrence_fwd_kernel(
         tl.debug_barrier()
         # (2) Dual matmul: delta = X u, out = inter + QX u.
         ci = tl.arange(0, C)
-        tok_c, ok_c = token_rows(b, h, T, H, t0, ci)
+        tok_c, ok_c = token_rows(tok0, h, H, count, ci)
         bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
         uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :], mask=ok_c[:, None],
                                    other=0.0)
-        x_base = ((b.to(tl.int64) * H + h) * N + n) * C * C
+        x_base = (tiles + n) * C * C
         for rb in range(0, C, RB):
             ri = rb + tl.arange(0, RB)
             xo = x_base + ri[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
             qx = tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
-            tok_r, ok_r = token_rows(b, h, T, H, t0, ri)
+            tok_r, ok_r = token_rows(tok0, h, H, count, ri)
             ok_r = ok_r[:, None]
             o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
             tl.store(delta + tok_r[:, None] * D + cols[None, :], dl, mask=ok_r)
@@ -162,8 +178,9 @@ def _recurrence_fwd_kernel(
         for k in range(0, npass):
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
-                tok, tok_ok = token_rows(b, h, T, H, t0, ii)
-                went, wm, s, ok = entry_tile(write_idx, tok, tok_ok, W, WP, S)
+                tok, tok_ok = token_rows(tok0, h, H, count, ii)
+                went, wm = entry_offsets(tok, tok_ok, W, WP)
+                s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
                 rk = tl.load(rank + went, mask=ok, other=-1)
                 mine = ok & (rk == k)
                 sw = tl.load(scatter_w + went, mask=mine, other=0.0)
@@ -189,22 +206,26 @@ def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
 
 
 def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                   rank, X, QX, bank, out, res, delta, snap, snap_scale, snapshot: str | None) -> None:
+                   rank, X, QX, bank, out, res, delta, snap, snap_scale, snapshot: str | None,
+                   chunks=None, seq_chunks=None) -> None:
     """Launch phase 2 over every chunk; ``bank`` is updated in place. ``snapshot`` None skips
     the snapshot (in-place inference). See the module docstring for the operands."""
     B, T, H, D = v.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
     S = bank.shape[-2]
-    if B * H * T == 0:
+    streams = bank.shape[0] * H         # B * H, or N * H for a packed batch
+    if streams * T == 0:
         return
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
-    scratch = torch.empty(B * H, C, D, dtype=torch.float32, device=v.device)
+    scratch = torch.empty(streams, C, D, dtype=torch.float32, device=v.device)
     mode = SNAP_CODES["none" if snapshot is None else snapshot]
-    wrap_triton(_recurrence_fwd_kernel)[(B * H, D // BLOCK_D)](
+    varlen = chunks is not None
+    wrap_triton(_recurrence_fwd_kernel)[(streams, D // BLOCK_D)](
         v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
         X, QX, bank, out, res, delta, scratch,
         bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
-        T, H, S,
+        chunks if varlen else rank, seq_chunks if varlen else rank,
+        T, H, S, X.shape[2],
         D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
-        MODE=mode, SNAPSHOT=snapshot is not None, num_warps=_NUM_WARPS)
+        MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, num_warps=_NUM_WARPS)

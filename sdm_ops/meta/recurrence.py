@@ -1,5 +1,6 @@
-"""Fakes of the recurrence operators: ``sdm::chunk_prepare``, ``sdm::recurrence_fwd`` and
-``sdm::recurrence_fwd_``. Shapes follow the launchers' allocations (all contiguous)."""
+"""Fakes of the recurrence operators: ``sdm::chunk_prepare``, ``sdm::recurrence_fwd``,
+``sdm::recurrence_fwd_`` and their backwards. Shapes follow the launchers' allocations (all
+contiguous). ``chunks`` and ``seq_chunks`` describe a packed batch (None otherwise)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,20 @@ def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, W: int, D: 
     return (B, T, H, W, D // 2), torch.uint8, scales
 
 
-def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size):
+def chunk_slots(B: int, T: int, C: int, chunks: Tensor | None) -> tuple[int, int]:
+    """The leading dimension and the chunk count of [., H, N, C, C] chunk tensors: (B, ceil(T /
+    C)), or (1, NC) for a packed batch (its chunk slots, ``reference.varlen_chunks``)."""
+    return (B, (T + C - 1) // C) if chunks is None else (1, chunks.shape[0])
+
+
+def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size,
+                       chunks=None, seq_chunks=None):
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     C = chunk_size
-    N = (T + C - 1) // C
+    lead, N = chunk_slots(B, T, C, chunks)
     wd = weight_dtype(write_w, read_w, decay)
-    a = write_w.new_empty((B, H, N, C, C), dtype=wd)
+    a = write_w.new_empty((lead, H, N, C, C), dtype=wd)
     e = write_w.new_empty((B, T, H, W), dtype=wd)
     return (a, a.new_empty(a.shape), e, write_w.new_empty((B, T, H, R), dtype=wd),
             e.new_empty(e.shape), e.new_empty(e.shape),
@@ -43,26 +51,27 @@ def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, c
 
 
 def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                        rank, read_rank, X, QX, bank, snapshot):
+                        rank, read_rank, X, QX, bank, snapshot, chunks=None, seq_chunks=None):
     B, T, H, D = v.shape
+    banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
     S = bank.shape[-2]
     W = write_idx.shape[-1]
     wd = weight_dtype(v, bank, gather_w)
     rows, rows_dtype, scales = snapshot_layout(snapshot, bank, B, T, H, W, D)
     t = v.new_empty((B, T, H, D), dtype=wd)
-    return (v.new_empty((B, T, H, D)), bank.new_empty((B, H, S, D)),
+    return (v.new_empty((B, T, H, D)), bank.new_empty((banks, H, S, D)),
             bank.new_empty(rows, dtype=rows_dtype), bank.new_empty(scales, dtype=torch.float32),
             t, t.new_empty(t.shape))
 
 
 def recurrence_fwd_inplace_fake(bank, v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
-                                row_decay, rank, X, QX):
+                                row_decay, rank, X, QX, chunks=None, seq_chunks=None):
     return v.new_empty(v.shape)
 
 
 def recurrence_bwd_fake(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
                         read_rank, X, QX, res, delta, bank_out, snap, snap_scale, snapshot, dout,
-                        dbank_out, v_dtype):
+                        dbank_out, v_dtype, chunks=None, seq_chunks=None):
     B, T, H, D = res.shape
     wd = res.dtype
     return (res.new_empty((B, T, H, D), dtype=v_dtype), res.new_empty((B, T, H), dtype=wd),
@@ -73,7 +82,8 @@ def recurrence_bwd_fake(beta, write_idx, read_idx, gather_w, gather_r, scatter_w
 
 
 def chunk_prepare_backward_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
-                                d_gather_w, d_gather_r, d_scatter_w, d_row_decay):
+                                d_gather_w, d_gather_r, d_scatter_w, d_row_decay, chunks=None,
+                                seq_chunks=None):
     wd = weight_dtype(write_w, read_w, decay)
     return (write_w.new_empty(write_w.shape, dtype=wd), read_w.new_empty(read_w.shape, dtype=wd),
             write_w.new_empty(write_w.shape if decay is not None else (0,), dtype=wd))

@@ -1,0 +1,208 @@
+"""Variable-length batches (``cu_seqlens``): a packed batch equals running each sequence on its
+own, forward and backward, on the CPU path and in the kernels (natively on CUDA, under the
+interpreter on CPU), with empty sequences, sequences shorter than a chunk and lengths that are
+not multiples of it; bitwise determinism; the in-place variant; the chunk tables; bad
+``cu_seqlens`` rejected by name."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import sdm_ops
+from sdm_ops import reference as ref
+from tests.helpers import KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels, requires_kernels
+
+FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
+H, D, S, W, R = 2, 16, 9, 3, 2
+LENGTHS = [0, 5, 16, 37, 1, 0, 20]       # empty, short, one chunk exactly, several, partial
+
+
+def packed_inputs(lengths, *, device="cpu", seed=0, shared=False, **kw) -> dict:
+    """Arguments of ``sparse_delta_memory`` for sequences of ``lengths`` packed into [1, T]."""
+    T = sum(lengths)
+    a = make_sdm_inputs(1, T, H, D, S, W, R, seed=seed, device=device, **kw)
+    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()])
+    g = torch.Generator().manual_seed(seed + 1)
+    bank_shape = (H, S, D) if shared else (len(lengths), H, S, D)
+    a["bank"] = torch.randn(*bank_shape, generator=g).to(a["v"].dtype).to(device)
+    a["cu_seqlens"] = cu.to(torch.int32).to(device)
+    return a
+
+
+def run_with_grads(fn, a: dict, g_out: torch.Tensor, g_bank: torch.Tensor, **kw):
+    """(out, bank, gradients of FLOATS) of sum(out * g_out) + sum(bank * g_bank)."""
+    leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if a.get(k) is not None}
+    out, bank = fn(**dict(a, **leaves), **kw)
+    loss = (out.to(torch.float64) * g_out).sum() + (bank.to(torch.float64) * g_bank).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return out, bank, {k: torch.zeros_like(x) if g is None else g
+                       for (k, x), g in zip(leaves.items(), grads)}
+
+
+def oracle(a: dict, g_out, g_bank, chunk_size):
+    a64 = {k: (v.double() if v is not None and v.is_floating_point() else v) for k, v in a.items()}
+    return run_with_grads(ref.sdm_varlen_reference, a64, g_out, g_bank, chunk_size=chunk_size)
+
+
+def grads_for(a: dict, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    T, N = a["v"].shape[1], a["cu_seqlens"].shape[0] - 1
+    return (torch.randn(1, T, H, D, generator=g, dtype=torch.float64).to(a["v"].device),
+            torch.randn(N, H, S, D, generator=g, dtype=torch.float64).to(a["v"].device))
+
+
+def each_alone(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, *, cu_seqlens,
+               **kw):
+    """``sparse_delta_memory`` called on each sequence of a packed batch as a dense batch of one."""
+    outs, banks = [], []
+    cu = cu_seqlens.tolist()
+    for n in range(len(cu) - 1):
+        t = slice(cu[n], cu[n + 1])
+        o, m = sdm_ops.sparse_delta_memory(
+            v[:, t], beta[:, t], write_idx[:, t], write_w[:, t], read_idx[:, t], read_w[:, t],
+            bank if bank.dim() == 3 else bank[n:n + 1], None if decay is None else decay[:, t],
+            **kw)
+        outs.append(o)
+        banks.append(m.expand(1, *m.shape[1:]) if m.dim() == 4 else m[None])
+    return torch.cat(outs, 1), torch.cat(banks, 0)
+
+
+@requires_kernels
+def test_kernels_quantized_snapshot_equals_each_sequence_alone():
+    a = packed_inputs([3, 0, 18, 7], device=KERNEL_DEVICE, seed=13)
+    g_out, g_bank = grads_for(a, 9)
+    with on_kernels():
+        got = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16,
+                             snapshot="int4")
+        want = run_with_grads(each_alone, a, g_out, g_bank, chunk_size=16, snapshot="int4")
+    assert_close(got[0], want[0], rtol=1e-5, name="out")
+    assert_close(got[1], want[1], rtol=1e-5, name="bank")
+    for k in got[2]:
+        assert_close(got[2][k], want[2][k], rtol=1e-5, name=f"d{k}")
+
+
+def check_against_oracle(a, chunk_size, rtol, *, snapshot="none", kernels=True):
+    g_out, g_bank = grads_for(a, 7)
+    ctx = on_kernels() if kernels else contextlib.nullcontext()
+    with ctx:
+        out, bank, grads = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank,
+                                          chunk_size=chunk_size, snapshot=snapshot)
+    want_out, want_bank, want = oracle({k: v.cpu() if torch.is_tensor(v) else v
+                                        for k, v in a.items()}, g_out.cpu(), g_bank.cpu(),
+                                       chunk_size)
+    assert bank.shape == (a["cu_seqlens"].shape[0] - 1, H, S, D)
+    assert_close(out, want_out, rtol=rtol, name="out")
+    assert_close(bank, want_bank, rtol=rtol, name="bank")
+    for k in grads:
+        assert_close(grads[k], want[k], rtol=rtol, name=f"d{k}")
+
+
+def test_chunk_tables_list_each_sequences_chunks_in_order():
+    lengths, C = [0, 5, 16, 37, 1, 0, 20], 16
+    cu = torch.tensor([0, 0, 5, 21, 58, 59, 59, 79])
+    chunks, seq_chunks = ref.varlen_chunks(cu, 79, C)
+    want, bounds, start = [], [0], 0
+    for n in lengths:
+        for t in range(0, n, C):
+            want.append([start + t, min(C, n - t)])
+        bounds.append(len(want))
+        start += n
+    assert chunks.shape == (-(-79 // C) + len(lengths), 2)
+    assert chunks[:len(want)].tolist() == want
+    assert (chunks[len(want):] == 0).all(), "unused chunk slots must hold no tokens"
+    assert seq_chunks.tolist() == bounds
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_cpu_path_equals_each_sequence_alone_forward_and_backward(decay):
+    a = packed_inputs(LENGTHS, seed=1, decay=decay)
+    check_against_oracle(a, 16, 1e-5, kernels=False)
+
+
+@requires_kernels
+@pytest.mark.parametrize("chunk_size,decay", [(16, True), (32, False)])
+def test_kernels_equal_each_sequence_alone_forward_and_backward(chunk_size, decay):
+    a = packed_inputs(LENGTHS, device=KERNEL_DEVICE, seed=2 + chunk_size, decay=decay)
+    check_against_oracle(a, chunk_size, 1e-5)
+
+
+@requires_kernels
+def test_kernels_shared_bank_and_int64_offsets():
+    a = packed_inputs([3, 0, 18, 7], device=KERNEL_DEVICE, seed=4, shared=True)
+    a["cu_seqlens"] = a["cu_seqlens"].to(torch.int64)
+    check_against_oracle(a, 16, 1e-5)
+
+
+@requires_kernels
+def test_kernels_with_every_sequence_empty():
+    a = packed_inputs([0, 0, 0], device=KERNEL_DEVICE, seed=5)
+    with on_kernels():
+        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+    assert out.shape == (1, 0, H, D)
+    assert torch.equal(bank, a["bank"]), "empty sequences must return their banks unchanged"
+    check_against_oracle(a, 16, 1e-5)
+
+
+@requires_kernels
+def test_kernels_are_bitwise_deterministic():
+    a = packed_inputs(LENGTHS, device=KERNEL_DEVICE, seed=6)
+    g_out, g_bank = grads_for(a, 8)
+    with on_kernels():
+        first = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16)
+        second = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for k in first[2]:
+        assert torch.equal(first[2][k], second[2][k]), f"d{k} differs between two runs"
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)])
+def test_inplace_variant_updates_each_sequences_bank(kernels):
+    device = KERNEL_DEVICE if kernels else "cpu"
+    a = packed_inputs([4, 0, 19, 1], device=device, seed=9)
+    bank = a["bank"].clone()
+    rest = {k: v for k, v in a.items() if k != "bank"}
+    ctx = on_kernels() if kernels else contextlib.nullcontext()
+    with ctx:
+        out = sdm_ops.sparse_delta_memory_(bank, **rest, chunk_size=16)
+    want_out, want_bank = ref.sdm_varlen_reference(**{k: v.cpu() for k, v in a.items()},
+                                                   chunk_size=16)
+    assert_close(out, want_out, rtol=1e-5, name="out")
+    assert_close(bank, want_bank, rtol=1e-5, name="bank updated in place")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda cu: cu.add(1), "start at 0"),
+    (lambda cu: torch.tensor([0, 9, 4, 20, 24], dtype=cu.dtype), "non-decreasing"),
+    (lambda cu: torch.tensor([0, 3, 5, 8, 20], dtype=cu.dtype), "end at"),
+    (lambda cu: cu.float(), "dtype int32 or int64"),
+    (lambda cu: cu[None], "1 dimensions"),
+    (lambda cu: cu[:1], "N \\+ 1 >= 2"),
+])
+def test_bad_cu_seqlens_raise_value_or_type_errors_naming_it(change, match):
+    a = packed_inputs([3, 0, 18, 3], seed=10)
+    a["cu_seqlens"] = change(a["cu_seqlens"])
+    bank = a["bank"].clone()
+    with pytest.raises(ValueError, match=match) as info:
+        sdm_ops.sparse_delta_memory(**a)
+    assert "cu_seqlens" in str(info.value)
+    assert torch.equal(bank, a["bank"])
+
+
+def test_packed_batch_must_have_one_row_and_one_bank_per_sequence():
+    a = packed_inputs([3, 5], seed=11)
+    two_rows = {k: (torch.cat([v, v]) if k not in ("bank", "cu_seqlens") else v)
+                for k, v in a.items()}
+    with pytest.raises(ValueError, match="B = 2"):
+        sdm_ops.sparse_delta_memory(**two_rows)
+    with pytest.raises(ValueError, match=r"bank must have shape \[N, H, S, D\]"):
+        sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:1]))
+
+
+def test_cu_seqlens_on_another_device_is_rejected():
+    a = packed_inputs([3, 5], seed=12)
+    a["cu_seqlens"] = a["cu_seqlens"].to("meta")
+    with pytest.raises(ValueError, match="cu_seqlens is on meta"):
+        sdm_ops.sparse_delta_memory(**a)
