@@ -696,14 +696,20 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
 
     Returns ``chunks`` [NC, 2] int64, (first token, token count) of each chunk slot ((0, 0) when
     unused), and ``seq_chunks`` [N + 1] int64, the first slot of each sequence and the end.
+
+    Compiled code and CUDA graphs skip the eager checks of ``cu_seqlens``, so the tables are
+    made safe for any values: offsets are clamped to [0, T], a decrease counts as an empty
+    sequence and slots stop at NC. Every chunk then lies inside the batch's T tokens and every
+    slot inside the tables, whatever ``cu_seqlens`` holds (valid offsets are unchanged).
     """
     C = chunk_size
-    cu = cu_seqlens.to(torch.int64)
+    NC = -(-T // C) + cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.to(torch.int64).clamp(0, T)
     N = cu.shape[0] - 1
-    lens = cu[1:] - cu[:-1]
+    lens = (cu[1:] - cu[:-1]).clamp(min=0)
     ends = torch.cumsum((lens + C - 1) // C, 0)
-    seq_chunks = torch.cat([ends.new_zeros(1), ends])
-    slot = torch.arange(-(-T // C) + N, device=cu.device)
+    seq_chunks = torch.cat([ends.new_zeros(1), ends]).clamp(max=NC)
+    slot = torch.arange(NC, device=cu.device)
     seq = torch.searchsorted(ends, slot, right=True)            # N for unused slots
     used = seq < N
     seq = seq.clamp(max=N - 1)

@@ -206,3 +206,17 @@ def test_cu_seqlens_on_another_device_is_rejected():
     a["cu_seqlens"] = a["cu_seqlens"].to("meta")
     with pytest.raises(ValueError, match="cu_seqlens is on meta"):
         sdm_ops.sparse_delta_memory(**a)
+
+
+@pytest.mark.parametrize("offsets", [[0, 50, 10, 24], [-7, 3, 3, 99], [5, 4, 3, 2],
+                                     [0, 24, 0, 24]])
+def test_chunk_tables_stay_inside_the_batch_for_any_offsets(offsets):
+    """Compiled code and CUDA graphs skip the checks of cu_seqlens: whatever it holds, every
+    chunk of the tables lies within the T = 24 tokens and every slot within the table."""
+    T, C = 24, 16
+    chunks, seq_chunks = ref.varlen_chunks(torch.tensor(offsets), T, C)
+    start, count = chunks[:, 0], chunks[:, 1]
+    assert (start >= 0).all() and (count >= 0).all() and (count <= C).all()
+    assert (start + count <= T).all(), chunks.tolist()
+    assert (seq_chunks >= 0).all() and (seq_chunks <= chunks.shape[0]).all()
+    assert (seq_chunks[1:] >= seq_chunks[:-1]).all()
