@@ -1,0 +1,293 @@
+"""The ``SparseDeltaMemory`` layer under CUDA graphs and on two GPUs: training steps under
+``torch.compile(mode="reduce-overhead")`` equal to eager and replayed from CUDA graphs; decode
+steps (``step_``) captured by hand in a ``torch.cuda.graph`` and replayed equal to eager steps;
+the sdm Triton kernels that Inductor's output code holds for the layer's forward and backward
+(an expecttest); ``DistributedDataParallel`` on two GPUs equal to one GPU on the whole batch.
+CUDA only (two GPUs for DDP); every test here is skipped on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import pkgutil
+import re
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import sdm_ops.kernels
+from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from compile_tests import launched_kernels
+from sdm_ops.nn import SparseDeltaMemory
+from tests.helpers import assert_close, requires_cuda
+
+RTOL = 1e-4         # compiled or captured against eager, after SGD steps: float32 rounding
+DDP_RTOL = 1e-5     # two GPUs against one: float32 reduction order only
+B, T, D_MODEL = 2, 24, 32
+LR = 0.1
+
+
+class TinyModel(nn.Module):
+    """``x [B, T, d] -> loss``: a projection, a residual SparseDeltaMemory, a head, MSE to
+    ``target [B, T, d]``. 32 slots per head, so tokens share slots within a chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_MODEL, D_MODEL)
+        self.memory = SparseDeltaMemory(D_MODEL, heads=2, head_dim=16, factors=(4, 8),
+                                        read_topk=3, write_topk=2, decay=True, chunk_size=16)
+        self.head = nn.Linear(D_MODEL, D_MODEL)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = h + self.memory(h)
+        return F.mse_loss(self.head(h), target)
+
+
+def make_model(seed: int = 0) -> TinyModel:
+    """The same parameters for the same seed, in every process (built on the CPU)."""
+    torch.manual_seed(seed)
+    model = TinyModel()
+    with torch.no_grad():
+        model.memory.bank.normal_()
+    return model
+
+
+def make_batch(step: int, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, target) [batch, T, D_MODEL] on the CPU, fixed by ``step``."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(batch, T, D_MODEL, generator=g),
+            torch.randn(batch, T, D_MODEL, generator=g))
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------
+# torch.compile(mode="reduce-overhead"): training steps from CUDA graph trees
+# ---------------------------------------------------------------------------
+
+
+@requires_cuda
+def test_reduce_overhead_training_steps_replay_cuda_graphs_and_match_eager():
+    steps = 5               # step 1 warms up, step 2 records, steps 3-5 replay
+    counters.clear()
+    model = make_model().cuda()
+    eager = copy.deepcopy(model)
+    initial = params_of(model)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = (t.cuda() for t in make_batch(step))
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(x, y)
+        got = loss.item()           # read before the next replay reuses the output's memory
+        loss.backward()
+        opt.step()                  # outside the compiled region; parameters stay in place
+        opt.zero_grad(set_to_none=True)
+
+        want = eager(x, y)
+        want.backward()
+        eager_opt.step()
+        eager_opt.zero_grad(set_to_none=True)
+        assert_close(torch.tensor(got), want.detach(), rtol=RTOL, name=f"loss at step {step}")
+
+    got_params, want_params = params_of(model), params_of(eager)
+    for name, want in want_params.items():
+        assert_close(got_params[name], want, rtol=RTOL, name=f"{name} after {steps} steps")
+    assert not torch.equal(got_params["memory.bank"], initial["memory.bank"]), (
+        "SGD left the bank unchanged: no gradient reached it")
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    assert skips == 0, (f"Inductor skipped CUDA graphs {skips} time(s) (the reason is logged "
+                        f"by torch._inductor's cudagraphs logger): {dict(counters['inductor'])}")
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(),
+                                          create_if_none_exists=False)
+    assert manager is not None, "reduce-overhead created no CUDA graph tree"
+    recorded = manager.new_graph_id().id    # graph ids count up from 0 as graphs are recorded
+    assert recorded >= 2, (f"{recorded} CUDA graph(s) recorded; expected the forward's and the "
+                           f"backward's")
+
+
+# ---------------------------------------------------------------------------
+# torch.cuda.graph by hand: the layer's decode steps
+# ---------------------------------------------------------------------------
+
+
+@requires_cuda
+def test_cuda_graph_of_layer_decode_steps_replays_equal_eager_steps():
+    prompt, steps = 20, 6
+    layer = make_model().memory.cuda()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(B, prompt + steps, D_MODEL, generator=g).cuda()
+    with torch.no_grad():
+        _, state = layer(x[:, :prompt], return_state=True)     # [B, H, S, D], contiguous
+    start = state.clone()
+    eager_state = state.clone()
+    static_x = x[:, prompt:prompt + 1].clone()
+
+    # Warm up (Triton compilation, cuBLAS handles) on a side stream, as torch.cuda.graph
+    # requires, on a scratch state.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        scratch = state.clone()
+        for _ in range(2):
+            layer.step_(static_x, scratch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer.step_(static_x, state)
+    torch.cuda.synchronize()
+    assert torch.equal(state, start), "capturing ran the step: the state changed"
+
+    for t in range(steps):
+        token = x[:, prompt + t:prompt + t + 1]
+        static_x.copy_(token)
+        graph.replay()
+        want = layer.step_(token, eager_state)
+        torch.cuda.synchronize()
+        assert_close(static_y, want, rtol=RTOL, name=f"y of replayed step {t}")
+        assert_close(state, eager_state, rtol=RTOL, name=f"state after replayed step {t}")
+    assert not torch.equal(state, start), "the replays left the state unchanged"
+
+
+# ---------------------------------------------------------------------------
+# The sdm Triton kernels in Inductor's output code
+# ---------------------------------------------------------------------------
+
+
+def sdm_kernel_names() -> set[str]:
+    """Every ``@triton.jit`` kernel that a module of ``sdm_ops.kernels`` launches (modules
+    whose names start with ``_`` hold shared helpers and launch nothing)."""
+    names = set()
+    for info in pkgutil.iter_modules(sdm_ops.kernels.__path__):
+        if not info.name.startswith("_"):
+            names.update(launched_kernels(importlib.import_module(f"sdm_ops.kernels.{info.name}")))
+    return names
+
+
+def layer_loss(layer: SparseDeltaMemory, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    y, final = layer(x, return_state=True)
+    return (y * g).sum() + final.square().sum() * 1e-2
+
+
+@requires_cuda
+def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
+    from expecttest import assert_expected_inline   # here: if missing, only this test fails
+    candidates = sdm_kernel_names()
+    layer = make_model().memory.cuda()
+    x, g = (t.cuda() for t in make_batch(0))
+    x.requires_grad_()
+    compiled = torch.compile(layer_loss, fullgraph=True)
+
+    def forward_and_backward():
+        compiled(layer, x, g).backward()
+
+    _, codes = run_and_get_code(forward_and_backward)
+    code = "\n".join(codes)
+    # A whole name, or with the "_<n>" that TORCHINDUCTOR_UNIQUE_USER_KERNEL_NAMES=1 appends.
+    found = sorted(n for n in candidates if re.search(rf"(?<!\w){re.escape(n)}(_\d+)?(?!\w)", code))
+    # Forward: product-key top-k (read and write addresses), phase 1, the WY solve's two
+    # kernels, phase 2. Backward: phase 2's two kernels, the WY solve's two, phase 1's,
+    # product-key top-k's.
+    assert_expected_inline(" ".join(found), """\
+_bwd_panel_kernel _bwd_row_kernel _chunk_prepare_bwd_kernel _chunk_prepare_kernel \
+_dual_matmul_bwd_kernel _fwd_diag_kernel _fwd_panel_kernel _product_key_topk_bwd \
+_product_key_topk_fwd _recurrence_bwd_kernel _recurrence_fwd_kernel""")
+
+
+# ---------------------------------------------------------------------------
+# DistributedDataParallel on two GPUs
+# ---------------------------------------------------------------------------
+
+DDP_BATCH, DDP_STEPS = 4, 4
+
+
+def train_steps(model: nn.Module, steps: int, device: torch.device, rank: int = 0,
+                world_size: int = 1) -> list[float]:
+    """SGD steps on rank ``rank``'s share of each global batch ``make_batch(step,
+    DDP_BATCH)``; returns the global mean loss of every step (all-reduced over ranks when
+    distributed)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    share = DDP_BATCH // world_size
+    losses = []
+    for step in range(steps):
+        x, y = (t[rank * share:(rank + 1) * share].to(device)
+                for t in make_batch(step, DDP_BATCH))
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if world_size > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
+
+
+def ddp_worker(rank: int, world_size: int, port: int, backend: str, device_type: str,
+               out_path: str) -> None:
+    """One rank (``torch.multiprocessing.spawn``'s target, hence module level): train a DDP
+    copy of ``make_model()`` for DDP_STEPS steps; rank 0 writes the losses and its final
+    parameters to ``out_path``. Only MASTER_ADDR / MASTER_PORT are set; every other variable
+    of the environment (NCCL's included) is left as the machine set it."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world_size,
+                                         timeout=timedelta(seconds=120))
+    try:
+        model = make_model().to(device)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if device_type == "cuda" else None)
+        losses = train_steps(ddp, DDP_STEPS, device, rank, world_size)
+        if rank == 0:
+            torch.save({"losses": losses, "params": params_of(model)}, out_path)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ddp(backend: str, device_type: str, out_path: str, world_size: int = 2) -> dict:
+    torch.multiprocessing.spawn(ddp_worker, nprocs=world_size,
+                                args=(world_size, free_port(), backend, device_type, out_path))
+    return torch.load(out_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_ddp_on_two_gpus_matches_one_gpu_on_the_whole_batch(tmp_path):
+    # One GPU first: it also fills Triton's kernel cache for the two ranks.
+    model = make_model().cuda()
+    want_losses = train_steps(model, DDP_STEPS, torch.device("cuda", 0))
+    want_params = params_of(model)
+    got = run_ddp("nccl", "cuda", str(tmp_path / "rank0.pt"))
+    assert len(got["losses"]) == DDP_STEPS
+    assert want_losses[-1] != want_losses[0], "the loss did not move: SGD did nothing"
+    for step, (g, w) in enumerate(zip(got["losses"], want_losses)):
+        assert_close(torch.tensor(g), torch.tensor(w), rtol=DDP_RTOL,
+                     name=f"global loss at step {step} (2 GPUs {json.dumps(got['losses'])}, "
+                          f"1 GPU {json.dumps(want_losses)})")
+    for name, w in want_params.items():
+        assert_close(got["params"][name], w, rtol=DDP_RTOL, name=f"rank 0's {name}")

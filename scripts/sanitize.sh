@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every Triton kernel under compute-sanitizer's memcheck, out-of-range indices included
+# (python3 -m sdm_ops.sanitize), in one call on a GPU machine: `bash scripts/sanitize.sh`.
+# compute-sanitizer needs the Firecracker machines (on gVisor it refuses the device). The log
+# goes to $OUT/sanitize.log; the exit status is 0 only when memcheck found no error and every
+# case passed. The two passes' time limits (seconds) keep the whole inside one 10-minute call.
+set -uo pipefail
+OUT=${OUT:-/tmp/sdm_sanitize}
+mkdir -p "$OUT"
+LOG="$OUT/sanitize.log"
+: >"$LOG"
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+# Inductor compiles in this process: no compile workers for the sanitizer to follow.
+export TORCHINDUCTOR_COMPILE_THREADS=1
+unset PYTORCH_NO_CUDA_MEMORY_CACHING     # each pass below chooses its allocator
+SANITIZER=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)}
+if [ -z "$SANITIZER" ]; then
+    echo "compute-sanitizer not found (set COMPUTE_SANITIZER)" | tee -a "$LOG"
+    exit 2
+fi
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+"$SANITIZER" --version | tail -1
+
+# --target-processes all: follow any child process that uses CUDA.
+# --report-api-errors no: PyTorch probes the driver with calls that fail by design; they are
+# not memory errors (a failed launch raises in Python and fails its case).
+memcheck() {   # memcheck SECONDS ARGS...
+    local limit=$1
+    shift
+    timeout "$limit" "$SANITIZER" --tool memcheck --error-exitcode 1 \
+        --target-processes all --report-api-errors no \
+        python3 -m sdm_ops.sanitize "$@" 2>&1 | tee -a "$LOG"
+    return "${PIPESTATUS[0]}"
+}
+
+status=0
+# Without PyTorch's caching allocator each tensor is its own cudaMalloc, so memcheck sees an
+# access just past a tensor (inside the allocator's shared blocks it would not).
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck "${SANITIZE_TIMEOUT:-450}" --parts eager,compiled,ops || status=1
+# CUDA graph capture allocates from the caching allocator: the graphs part runs with it.
+memcheck "${SANITIZE_GRAPHS_TIMEOUT:-100}" --parts graphs || status=1
+if grep -q "ERROR SUMMARY: [1-9]" "$LOG"; then
+    echo "memcheck reported errors: see $LOG" | tee -a "$LOG"
+    status=1
+fi
+[ "$(grep -c '^sanitize: .* cases, all outputs equal' "$LOG")" -eq 2 ] || status=1
+echo "sanitize.sh: exit status $status" | tee -a "$LOG"
+exit $status
