@@ -145,6 +145,87 @@ def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
         print(f"{name:<22}{ms:>9.3f}{bwd_ms:>12.3f}")
 
 
+FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
+
+
+def fwd_bwd_ms(a: dict, chunk_size: int, snapshot: str = "none", reps: int = 5) -> float:
+    """Forward+backward time of ``sparse_delta_memory`` on ``a`` (gradients of every float)."""
+    leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
+
+    def run():
+        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size,
+                                                snapshot=snapshot)
+        torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
+    return _time_ms(run, reps=reps, warmup=2)
+
+
+def decode_step_us(B, H, D, S, W, R, *, bank_dtype) -> float:
+    """One decode step (T = 1, every stream) of ``sparse_delta_memory_`` replayed from a CUDA
+    graph: microseconds per replay, over 200 replays."""
+    a = make_workload(B, 1, H, D, S, W, R, decay=True, bank_dtype=bank_dtype)
+    bank = a.pop("bank")
+    step = lambda: sdm_ops.sparse_delta_memory_(bank, **a)   # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    n = 200
+    return _time_ms(lambda: [graph.replay() for _ in range(n)], reps=5, warmup=1) * 1e3 / n
+
+
+def fla_peers(B, T, H, D) -> list[tuple[str, float, float]]:
+    """fla-core's chunk_delta_rule and chunk_kda at the same B, T, H and K = V = D, bfloat16
+    (forward ms, forward+backward ms); empty when fla is not installed."""
+    try:
+        from fla.ops.delta_rule import chunk_delta_rule
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g)   # noqa: E731
+    q, k, v = (rnd(B, T, H, D).to(torch.bfloat16) for _ in range(3))
+    k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
+    beta = torch.rand(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    gate = -torch.rand(B, T, H, D, device="cuda", generator=g) * 0.1
+    rows = []
+    for name, fn, extra in (("fla chunk_delta_rule", chunk_delta_rule, ()),
+                            ("fla chunk_kda", chunk_kda, (gate,))):
+        def fwd():
+            with torch.no_grad():
+                return fn(q, k, v, *extra, beta)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+        def fwd_bwd():
+            o = fn(*leaves, *extra, beta)[0]
+            o.backward(torch.ones_like(o))
+        rows.append((name, _time_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2)))
+    return rows
+
+
+def scaling(args) -> None:
+    """Forward and forward+backward over T, S and D (B = 1, H = 8, float32 bank, decay)."""
+    print("scaling: B=1 H=8 W=8 R=8 C=64, float32 bank, decay")
+    print(f"{'T':>6}{'S':>9}{'D':>5}{'fwd ms':>9}{'fwd+bwd ms':>12}")
+    for D in (64, 128):
+        for S in (2 ** 16, 2 ** 20):
+            for T in (1024, 4096, 16384):
+                a = make_workload(1, T, 8, D, S, 8, 8, decay=True, bank_dtype=torch.float32)
+
+                def fwd():
+                    with torch.no_grad():
+                        return sdm_ops.sparse_delta_memory(**a, chunk_size=args.chunk_size)
+                ms = _time_ms(fwd, reps=5, warmup=1)
+                print(f"{T:>6}{S:>9}{D:>5}{ms:>9.3f}"
+                      f"{fwd_bwd_ms(a, args.chunk_size, reps=3):>12.3f}")
+                del a
+                torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="SDM forward benchmark")
     parser.add_argument("--B", type=int, default=8)
@@ -160,6 +241,8 @@ def main(argv=None) -> int:
                         help="only measure the snapshot modes' gradient error (CPU or CUDA)")
     parser.add_argument("--no-packed", action="store_true",
                         help="skip the packed-versus-padded (cu_seqlens) comparison")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also print the scaling table over T, S and D")
     args = parser.parse_args(argv)
     shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
     if args.snapshot_errors:
@@ -215,8 +298,28 @@ def main(argv=None) -> int:
               f"{bwd_ms:>11.3f}{peak:>9.2f}{ref_ms:>17.1f}")
         del a
         torch.cuda.empty_cache()
+    B, T, H, D, S, W, R = shape
+    print("snapshot modes, float32 bank, decay: forward+backward ms")
+    a = make_workload(*shape, decay=True, bank_dtype=torch.float32)
+    print("  ".join(f"{mode} {fwd_bwd_ms(a, args.chunk_size, mode):.3f}"
+                    for mode in ("none", "bf16", "fp8", "int4")))
+    del a
+    torch.cuda.empty_cache()
+    print(f"decode step (T=1, B*H={B * H} streams, CUDA graph replay): "
+          f"float32 bank {decode_step_us(B, H, D, S, W, R, bank_dtype=torch.float32):.1f} us, "
+          f"bfloat16 bank {decode_step_us(B, H, D, S, W, R, bank_dtype=torch.bfloat16):.1f} us")
+    peers = fla_peers(B, T, H, D)
+    if peers:
+        print(f"peers at B={B} T={T} H={H} K=V={D}, bfloat16 (state {D}x{D} per stream, "
+              f"{S // D} times smaller than the bank)")
+        for name, ms, bwd_ms in peers:
+            print(f"{name:<28}{ms:>8.3f}{'':>34}{bwd_ms:>11.3f}")
+    else:
+        print("peers: fla-core not installed (pip install fla-core) - skipped")
     if not args.no_packed:
         packed_vs_padded(*shape, args.chunk_size)
+    if args.scaling:
+        scaling(args)
     return 0
 
 
