@@ -158,6 +158,12 @@ class SparseDeltaMemory(nn.Module):
         :meth:`step_`."""
         return self.bank.detach().expand(batch_size, -1, -1, -1).clone()
 
+    def _check_x(self, x: Tensor) -> None:
+        check_tensor("x", x, ndim=3)
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [B, T, d_model = {self.d_model}], got "
+                             f"{list(x.shape)}")
+
     def _check_state(self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None) -> None:
         check_tensor("state", state, ndim=4)
         if cu_seqlens is None:
@@ -172,6 +178,7 @@ class SparseDeltaMemory(nn.Module):
         with ``return_state``. With ``state [B, H, S, D]`` (a previous call's final bank) the
         recurrence continues from it instead of the learned initial bank. ``cu_seqlens``
         packs variable-length sequences into ``x [1, T, d_model]`` (see the class)."""
+        self._check_x(x)
         if state is not None:
             self._check_state(state, x, cu_seqlens)
         a = self._inputs(x)
@@ -189,6 +196,7 @@ class SparseDeltaMemory(nn.Module):
         ``x [B, T, d_model]`` (T may be 1); no autograd. Returns ``y [B, T, d_model]``, equal
         to what :meth:`forward` gives for these tokens after the same history. With
         ``cu_seqlens``, x is ``[1, T, d_model]`` and state ``[N, H, S, D]``."""
+        self._check_x(x)
         self._check_state(state, x, cu_seqlens)
         a = self._inputs(x)
         out = sparse_delta_memory_(state, a["v"], a["beta"], a["write_idx"], a["write_w"],

@@ -132,3 +132,37 @@ def test_backward_is_bitwise_deterministic_on_cuda():
     second, _, _ = _grads(a, kernels=True, chunk_size=64)
     for n in first:
         assert torch.equal(first[n], second[n]), f"d{n} differs between two runs"
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the sdm operators that run (the reference twins included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "sdm":
+            self.ops.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("wanted,skipped", [
+    (("v",), {"chunk_prepare_backward", "wy_solve_backward"}),
+    (("v", "beta", "bank"), {"chunk_prepare_backward"}),
+    (("write_w",), set()),
+])
+def test_gradients_not_asked_for_are_not_computed(wanted, skipped):
+    """Phase 1's backward runs only for write_w, read_w or decay, the WY solve's only for those
+    or beta; the others never reach them."""
+    a = make_sdm_inputs(1, 20, 2, 16, 9, 3, 2, seed=30)
+    leaves = {k: a[k].detach().clone().requires_grad_(k in wanted) for k in FLOATS}
+    out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=16)
+    log = _OpLog()
+    with log:
+        grads = torch.autograd.grad((out.sum() + bank.sum()), [leaves[k] for k in wanted])
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert "recurrence_bwd" in log.ops, log.ops
+    assert not (skipped & log.ops), f"ran {skipped & log.ops} though only {wanted} need grads"
+    if not skipped:
+        assert {"chunk_prepare_backward", "wy_solve_backward"} <= log.ops, log.ops

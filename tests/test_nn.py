@@ -183,3 +183,15 @@ def test_packed_sequences_equal_each_sequence_alone_forward_and_gradients():
     for n in range(4):
         want_n = layer(step[:, n:n + 1], state=state[n:n + 1].detach())
         assert_close(got[:, n:n + 1], want_n, rtol=RTOL, name=f"step of sequence {n}")
+
+
+@pytest.mark.parametrize("x, error", [
+    (torch.zeros(B, T, D_MODEL + 1), ValueError), (torch.zeros(T, D_MODEL), ValueError),
+    ([[0.0] * D_MODEL], TypeError),
+])
+def test_bad_x_raises_naming_x(x, error):
+    layer = make_layer()
+    with pytest.raises(error, match="x must"):
+        layer(x)
+    with pytest.raises(error, match="x must"):
+        layer.step_(x, layer.initial_state(B))
