@@ -220,3 +220,23 @@ def test_chunk_tables_stay_inside_the_batch_for_any_offsets(offsets):
     assert (start + count <= T).all(), chunks.tolist()
     assert (seq_chunks >= 0).all() and (seq_chunks <= chunks.shape[0]).all()
     assert (seq_chunks[1:] >= seq_chunks[:-1]).all()
+
+
+@requires_kernels
+@pytest.mark.parametrize("W_, R_", [(0, 2), (3, 0)])
+def test_kernels_bfloat16_and_no_write_or_no_read_entries_equal_each_sequence_alone(W_, R_):
+    T = 3 + 18 + 9
+    a = make_sdm_inputs(1, T, H, D, S, W_, R_, seed=14, dtype=torch.bfloat16,
+                        device=KERNEL_DEVICE)
+    a["bank"] = torch.randn(3, H, S, D, generator=torch.Generator().manual_seed(15)).to(
+        torch.bfloat16).to(KERNEL_DEVICE)
+    a["cu_seqlens"] = torch.tensor([0, 3, 21, 30], dtype=torch.int32, device=KERNEL_DEVICE)
+    g_out, g_bank = grads_for(a, 16)
+    with on_kernels():
+        got = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16)
+        want = run_with_grads(each_alone, a, g_out, g_bank, chunk_size=16)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
+    assert_close(got[0], want[0], rtol=1e-2, name="out")
+    assert_close(got[1], want[1], rtol=1e-2, name="bank")
+    for k in got[2]:
+        assert_close(got[2][k], want[2][k], rtol=1e-2, name=f"d{k}")
