@@ -159,6 +159,24 @@ def fwd_bwd_ms(a: dict, chunk_size: int, snapshot: str = "none", reps: int = 5) 
     return _time_ms(run, reps=reps, warmup=2)
 
 
+def kernel_times(fn, top: int = 12) -> list[tuple[str, float, int]]:
+    """(kernel name, total CUDA ms, calls) of one call of ``fn`` (after a warm-up call), the
+    ``top`` longest first: where the time of a forward or forward+backward goes."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(e.name, [0.0, 0])
+            entry[0] += e.device_time_total / 1e3
+            entry[1] += 1
+    rows = sorted(((n, t, c) for n, (t, c) in totals.items()), key=lambda r: -r[1])
+    return rows[:top]
+
+
 def decode_step_us(B, H, D, S, W, R, *, bank_dtype) -> float:
     """One decode step (T = 1, every stream) of ``sparse_delta_memory_`` replayed from a CUDA
     graph: microseconds per replay, over 200 replays."""
@@ -243,6 +261,8 @@ def main(argv=None) -> int:
                         help="skip the packed-versus-padded (cu_seqlens) comparison")
     parser.add_argument("--scaling", action="store_true",
                         help="also print the scaling table over T, S and D")
+    parser.add_argument("--profile", action="store_true",
+                        help="only print where forward+backward time goes, kernel by kernel")
     args = parser.parse_args(argv)
     shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
     if args.snapshot_errors:
@@ -252,6 +272,18 @@ def main(argv=None) -> int:
         return 0
     if not torch.cuda.is_available():
         print("sdm_ops.bench needs a CUDA GPU; nothing to measure here.")
+        return 0
+    if args.profile:
+        a = make_workload(*shape, decay=True, bank_dtype=torch.float32)
+        leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
+
+        def run():
+            out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves),
+                                                    chunk_size=args.chunk_size)
+            torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
+        print("forward+backward, float32 bank, decay: CUDA time by kernel")
+        for name, ms, calls in kernel_times(run):
+            print(f"{ms:>9.3f} ms {calls:>4d}x  {name[:90]}")
         return 0
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, copy bandwidth "
