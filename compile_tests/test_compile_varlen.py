@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import sdm_ops
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from sdm_ops import reference as ref
-from tests.helpers import assert_close, make_sdm_inputs, requires_cuda
+from tests.helpers import assert_close, make_packed_sdm_inputs, requires_cuda
 
 RTOL = 1e-5
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
@@ -23,11 +23,9 @@ PACKINGS = ([0, 7, 33], [20, 20, 0], [1, 16, 23])
 
 
 def packed(lengths, device, seed):
-    a = make_sdm_inputs(1, sum(lengths), H, D, S, W, R, seed=seed, decay=True, device=device)
-    a["bank"] = torch.randn(len(lengths), H, S, D,
-                            generator=torch.Generator().manual_seed(seed)).to(device)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return a, cu.to(device)
+    """(the other arguments, cu_seqlens) of a packed batch of ``lengths``."""
+    a = make_packed_sdm_inputs(lengths, H, D, S, W, R, seed=seed, decay=True, device=device)
+    return a, a.pop("cu_seqlens")
 
 
 def sdm_loss(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, cu_seqlens, g_out,

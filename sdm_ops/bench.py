@@ -82,10 +82,32 @@ def floor_bytes(a: dict, snapshot_itemsize: int) -> int:
             + entries * (W + R) * row + entries * W * row + entries * W * D * snapshot_itemsize)
 
 
+FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
+
+
+def forward_fn(a: dict, chunk_size: int, **kw):
+    """A call of the forward of ``sparse_delta_memory`` on ``a``, without autograd."""
+    def fwd():
+        with torch.no_grad():
+            return sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, **kw)
+    return fwd
+
+
+def forward_backward_fn(a: dict, chunk_size: int, **kw):
+    """A call of the forward and backward of ``sparse_delta_memory`` on ``a``: gradients of
+    every float input (its own leaves, made once) for output and bank gradients of ones."""
+    leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
+
+    def fwd_bwd():
+        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size, **kw)
+        torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
+    return fwd_bwd
+
+
 def snapshot_errors(a: dict, chunk_size: int) -> None:
     """Print, per snapshot mode, the bytes kept per token and the error of each gradient
     against the exact mode ("none"): max |g - g_none| / max |g_none|."""
-    names = [k for k in ("v", "beta", "write_w", "read_w", "bank", "decay") if k in a]
+    names = [k for k in FLOATS if k in a]
     B, T, H, D = a["v"].shape
     W = a["write_idx"].shape[-1]
     grads = {}
@@ -126,17 +148,8 @@ def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
     rows = []
     for name, a, kw in (("packed (cu_seqlens)", packed, {"cu_seqlens": cu}),
                         ("padded to [B, T]", padded, {})):
-        def fwd():
-            with torch.no_grad():
-                return sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, **kw)
-        leaves = {k: a[k].detach().clone().requires_grad_()
-                  for k in ("v", "beta", "write_w", "read_w", "bank", "decay")}
-
-        def fwd_bwd():
-            out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size,
-                                                    **kw)
-            torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
-        rows.append((name, _time_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2)))
+        rows.append((name, _time_ms(forward_fn(a, chunk_size, **kw)),
+                     _time_ms(forward_backward_fn(a, chunk_size, **kw), reps=5, warmup=2)))
     print(f"packed vs padded: {B} sequences of {int(lengths.min())} to {int(lengths.max())} "
           f"tokens ({total} in all, {B * T} padded), H={H} D={D} S={S} W={W} R={R} "
           f"C={chunk_size}, float32 bank, decay")
@@ -145,18 +158,9 @@ def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
         print(f"{name:<22}{ms:>9.3f}{bwd_ms:>12.3f}")
 
 
-FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
-
-
 def fwd_bwd_ms(a: dict, chunk_size: int, snapshot: str = "none", reps: int = 5) -> float:
     """Forward+backward time of ``sparse_delta_memory`` on ``a`` (gradients of every float)."""
-    leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
-
-    def run():
-        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size,
-                                                snapshot=snapshot)
-        torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
-    return _time_ms(run, reps=reps, warmup=2)
+    return _time_ms(forward_backward_fn(a, chunk_size, snapshot=snapshot), reps=reps, warmup=2)
 
 
 def kernel_times(fn, top: int = 12) -> list[tuple[str, float, int]]:
@@ -233,11 +237,7 @@ def scaling(args) -> None:
         for S in (2 ** 16, 2 ** 20):
             for T in (1024, 4096, 16384):
                 a = make_workload(1, T, 8, D, S, 8, 8, decay=True, bank_dtype=torch.float32)
-
-                def fwd():
-                    with torch.no_grad():
-                        return sdm_ops.sparse_delta_memory(**a, chunk_size=args.chunk_size)
-                ms = _time_ms(fwd, reps=5, warmup=1)
+                ms = _time_ms(forward_fn(a, args.chunk_size), reps=5, warmup=1)
                 print(f"{T:>6}{S:>9}{D:>5}{ms:>9.3f}"
                       f"{fwd_bwd_ms(a, args.chunk_size, reps=3):>12.3f}")
                 del a
@@ -275,14 +275,8 @@ def main(argv=None) -> int:
         return 0
     if args.profile:
         a = make_workload(*shape, decay=True, bank_dtype=torch.float32)
-        leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
-
-        def run():
-            out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves),
-                                                    chunk_size=args.chunk_size)
-            torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
         print("forward+backward, float32 bank, decay: CUDA time by kernel")
-        for name, ms, calls in kernel_times(run):
+        for name, ms, calls in kernel_times(forward_backward_fn(a, args.chunk_size)):
             print(f"{ms:>9.3f} ms {calls:>4d}x  {name[:90]}")
         return 0
     bw = copy_bandwidth()
@@ -300,25 +294,16 @@ def main(argv=None) -> int:
     for name, decay, bank_dtype in cases:
         a = make_workload(*shape, decay=decay, bank_dtype=bank_dtype)
 
-        def fwd():
-            with torch.no_grad():
-                return sdm_ops.sparse_delta_memory(**a, chunk_size=args.chunk_size)
-
+        fwd = forward_fn(a, args.chunk_size)
         ms = _time_ms(fwd)
         launches = kernel_launches(fwd)
-        leaves = {k: a[k].detach().clone().requires_grad_()
-                  for k in ("v", "beta", "write_w", "read_w", "bank", "decay") if k in a}
-
-        def fwd_bwd():
-            out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=args.chunk_size)
-            torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
-
+        fwd_bwd = forward_backward_fn(a, args.chunk_size)
         bwd_ms = _time_ms(fwd_bwd, reps=5, warmup=2)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         fwd_bwd()
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-        del leaves
+        del fwd_bwd
         floor = floor_bytes(a, a["bank"].element_size()) / bw * 1e3
         ref_ms = float("nan")
         if not args.no_reference:

@@ -737,6 +737,11 @@ def _seq_bank(bank: Tensor, n: int) -> Tensor:
     return bank[None] if bank.dim() == 3 else bank[n:n + 1]
 
 
+def _token_slice(prep: Prepared, tok: slice) -> Prepared:
+    """The per-entry weights of ``prep`` for tokens ``tok`` (phase 2 does not read A, QK)."""
+    return Prepared(None, None, *(None if x is None else x[:, tok] for x in prep[2:]))
+
+
 def chunk_prepare_varlen_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
                                    chunk_size: int, chunks: Tensor, seq_chunks: Tensor) -> Prepared:
     """:func:`chunk_prepare_reference` of a packed batch, sequence by sequence."""
@@ -777,7 +782,7 @@ def recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
     snap, snap_scale = None, None
     for n, (t0, n_tok, c0, nc) in enumerate(seqs):
         tok = slice(t0, t0 + n_tok)
-        sub = Prepared(None, None, *(None if x is None else x[:, tok] for x in prep[2:]))
+        sub = _token_slice(prep, tok)
         r = recurrence_fwd_reference(v[:, tok], beta[:, tok], write_idx[:, tok], read_idx[:, tok],
                                      sub, X[:, :, c0:c0 + nc], QX[:, :, c0:c0 + nc],
                                      _seq_bank(bank, n), snapshot)
@@ -809,7 +814,7 @@ def recurrence_bwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
         if n_tok == 0:      # the bank's gradient passes through
             continue
         tok, cs = slice(t0, t0 + n_tok), slice(c0, c0 + nc)
-        sub = Prepared(None, None, *(None if x is None else x[:, tok] for x in prep[2:]))
+        sub = _token_slice(prep, tok)
         g = recurrence_bwd_reference(
             v[:, tok], beta[:, tok], write_idx[:, tok], read_idx[:, tok], sub, X[:, :, cs],
             QX[:, :, cs], bank_out[n:n + 1], snap[:, tok],

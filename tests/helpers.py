@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import pytest
@@ -79,6 +80,21 @@ def make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, *, decay=True, shared=
         d = torch.where(u < zero_decay, 0.0, torch.where(u > 1 - one_decay, 1.0, d))
         args["decay"] = d.to(dtype).to(device)
     return args
+
+
+
+def make_packed_sdm_inputs(lengths, H=2, D=16, S=11, W=3, R=2, *, shared=False, seed=0,
+                           device="cpu", **kw) -> dict:
+    """Arguments of ``sparse_delta_memory`` for sequences of ``lengths`` packed into one
+    [1, T] batch, drawn as :func:`make_sdm_inputs` draws them (``kw`` goes to it), with a
+    random bank per sequence [N, H, S, D] (or a shared [H, S, D]) and ``cu_seqlens`` (int32)."""
+    a = make_sdm_inputs(1, sum(lengths), H, D, S, W, R, seed=seed, device=device, **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    bank_shape = (H, S, D) if shared else (len(lengths), H, S, D)
+    a["bank"] = torch.randn(*bank_shape, generator=g).to(a["v"].dtype).to(device)
+    a["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
+                                   device=device)
+    return a
 
 
 def to_float64(args: dict) -> dict:

@@ -11,6 +11,7 @@ the caller's own inputs when they are graph inputs. The analysis runs here on ev
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -185,6 +186,13 @@ _OUTPUTS = {
 }
 
 
+@functools.cache
+def _launch_signatures() -> list:
+    """The signatures of every distinct launch, recorded once for both tests below (running
+    the launches under the interpreter takes over a minute)."""
+    return [_signature(*launch) for launch in _launches()]
+
+
 def _run_fresh(script: str, payload, *argv: str) -> list:
     import json
     import os
@@ -199,7 +207,7 @@ def _run_fresh(script: str, payload, *argv: str) -> list:
 
 @pytest.mark.skipif(HAS_CUDA, reason="on CUDA the kernel tests compile every kernel")
 def test_every_launched_kernel_configuration_compiles_for_sm90():
-    launches = [_signature(*launch) for launch in _launches()]
+    launches = _launch_signatures()
     names = {name for _, name, _, _, _ in launches}
     assert set(_OUTPUTS) <= names, f"kernels never launched: {set(_OUTPUTS) - names}"
     failures = _run_fresh(_COMPILER, launches)
@@ -208,7 +216,7 @@ def test_every_launched_kernel_configuration_compiles_for_sm90():
 
 def test_inductor_counts_only_each_kernels_outputs_as_written():
     import json
-    launches = [_signature(*launch) for launch in _launches()]
+    launches = _launch_signatures()
     dtypes = {t: str(d).removeprefix("torch.") for d, t in _TYPES.items()}
     seen = set()
     for name, written in _run_fresh(_WRITES, launches, json.dumps(dtypes)):

@@ -35,8 +35,8 @@ from sdm_ops.reference import (QUANT_GROUP, Prepared, dequantize_rows,
                                product_key_topk_reference, sdm_chunked_reference,
                                sdm_token_reference, sdm_varlen_reference, varlen_chunks,
                                wy_solve_reference)
-from tests.helpers import (HAS_CUDA, assert_close, make_raw, make_sdm_inputs, make_wy_inputs,
-                           to_float64)
+from tests.helpers import (HAS_CUDA, assert_close, make_packed_sdm_inputs, make_raw,
+                           make_sdm_inputs, make_wy_inputs, to_float64)
 
 FAILURES_DICT = os.path.join(os.path.dirname(__file__), "opcheck_failures.json")
 RTOL = 1e-5          # float32 against float64 (SPEC section 5)
@@ -267,11 +267,9 @@ class OpsNumerics:
         assert_close(bank, want_bank, rtol=RTOL, name="bank")
 
     def test_sparse_delta_memory_packed_batch_equals_each_sequence_alone(self):
-        lengths = [4, 0, 21, 16]
-        args = make_sdm_inputs(4, sum(lengths), 2, 16, 20, 3, 2, seed=14, decay=True,
-                               shared=False, device=self.device)
-        args = {k: (v[:1] if k != "bank" else v) for k, v in args.items()}
-        cu = torch.tensor([0, 4, 4, 25, 41], dtype=torch.int64, device=self.device)
+        args = make_packed_sdm_inputs([4, 0, 21, 16], 2, 16, 20, 3, 2, seed=14, decay=True,
+                                      device=self.device)
+        cu = args.pop("cu_seqlens").long()        # int64 offsets (the helper gives int32)
         out, bank = sdm_ops.sparse_delta_memory(**args, cu_seqlens=cu, chunk_size=16)
         want_out, want_bank = sdm_varlen_reference(**to_float64(args), cu_seqlens=cu.cpu(),
                                                    chunk_size=16)
@@ -388,12 +386,9 @@ def recurrence_operands(device, T=21, C=16, packed=False) -> dict:
         args = make_sdm_inputs(2, T, 2, 16, 20, 3, 2, seed=26, decay=True, shared=False,
                                device=device)
         return recurrence_values(args, C)
-    lengths = [0, 5, T, 17]
-    args = make_sdm_inputs(len(lengths), sum(lengths), 2, 16, 20, 3, 2, seed=26, decay=True,
-                           shared=False, device=device)
-    args = {k: (v[:1] if k != "bank" else v) for k, v in args.items()}
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return recurrence_values(dict(args, cu_seqlens=offsets.to(device)), C)
+    args = make_packed_sdm_inputs([0, 5, T, 17], 2, 16, 20, 3, 2, seed=26, decay=True,
+                                  device=device)
+    return recurrence_values(args, C)
 
 
 def with_grad(values: dict, names) -> dict:

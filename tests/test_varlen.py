@@ -13,23 +13,17 @@ import torch
 
 import sdm_ops
 from sdm_ops import reference as ref
-from tests.helpers import KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels, requires_kernels
+from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, on_kernels,
+                           requires_kernels)
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 H, D, S, W, R = 2, 16, 9, 3, 2
 LENGTHS = [0, 5, 16, 37, 1, 0, 20]       # empty, short, one chunk exactly, several, partial
 
 
-def packed_inputs(lengths, *, device="cpu", seed=0, shared=False, **kw) -> dict:
+def packed_inputs(lengths, **kw) -> dict:
     """Arguments of ``sparse_delta_memory`` for sequences of ``lengths`` packed into [1, T]."""
-    T = sum(lengths)
-    a = make_sdm_inputs(1, T, H, D, S, W, R, seed=seed, device=device, **kw)
-    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()])
-    g = torch.Generator().manual_seed(seed + 1)
-    bank_shape = (H, S, D) if shared else (len(lengths), H, S, D)
-    a["bank"] = torch.randn(*bank_shape, generator=g).to(a["v"].dtype).to(device)
-    a["cu_seqlens"] = cu.to(torch.int32).to(device)
-    return a
+    return make_packed_sdm_inputs(lengths, H, D, S, W, R, **kw)
 
 
 def run_with_grads(fn, a: dict, g_out: torch.Tensor, g_bank: torch.Tensor, **kw):
@@ -225,12 +219,8 @@ def test_chunk_tables_stay_inside_the_batch_for_any_offsets(offsets):
 @requires_kernels
 @pytest.mark.parametrize("W_, R_", [(0, 2), (3, 0)])
 def test_kernels_bfloat16_and_no_write_or_no_read_entries_equal_each_sequence_alone(W_, R_):
-    T = 3 + 18 + 9
-    a = make_sdm_inputs(1, T, H, D, S, W_, R_, seed=14, dtype=torch.bfloat16,
-                        device=KERNEL_DEVICE)
-    a["bank"] = torch.randn(3, H, S, D, generator=torch.Generator().manual_seed(15)).to(
-        torch.bfloat16).to(KERNEL_DEVICE)
-    a["cu_seqlens"] = torch.tensor([0, 3, 21, 30], dtype=torch.int32, device=KERNEL_DEVICE)
+    a = make_packed_sdm_inputs([3, 18, 9], H, D, S, W_, R_, seed=14, dtype=torch.bfloat16,
+                               device=KERNEL_DEVICE)
     g_out, g_bank = grads_for(a, 16)
     with on_kernels():
         got = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16)
