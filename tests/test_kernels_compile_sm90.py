@@ -24,7 +24,8 @@ triton = pytest.importorskip("triton")
 pytestmark = requires_kernels
 
 _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
-          torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
+          torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8", torch.uint8: "*u8",
+          torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 @contextlib.contextmanager
@@ -173,6 +174,12 @@ _OUTPUTS = {
     "_chunk_prepare_kernel": {"A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay",
                               "rank", "read_rank"},
     "_chunk_prepare_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
+    "_chunk_sort_kernel": {"gather_w", "gather_r", "scatter_w", "row_decay", "rank", "read_rank",
+                           "shared_count", "compact"},
+    "_chunk_pairs_kernel": {"A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay", "rank",
+                            "read_rank"},
+    "_chunk_sort_bwd_kernel": {"d_write_w", "d_decay", "d_read_w", "shared_count", "compact"},
+    "_chunk_pairs_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
     "_recurrence_fwd_kernel": {"bank", "out", "res", "delta", "scratch", "snap", "snap_scale"},
     "_recurrence_bwd_kernel": {"bank", "dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw",
                                "p_rd"},

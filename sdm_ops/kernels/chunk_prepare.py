@@ -28,15 +28,21 @@ A packed batch (``cu_seqlens``; B = 1) has chunk slots instead of chunks: the ta
 are [1, H, NC, C, C], and the grid is (NC, H, C // BJ); an unused slot has no tokens, so its
 tiles are written zero.
 
-Grid: (N, B * H, C // BJ). A program owns BJ tokens ("own" entries: their W write and R read
-entries) of one chunk and walks the chunk's C tokens in order, matching each token's entries
-against its own. It writes the columns of its tokens in A and QK and its entries' weights.
-Each output element has one writer and every sum and product runs in a fixed order, so the
-result is bitwise deterministic.
+Two paths compute it. The sparse path (the end of this file: a sort kernel and a pairs kernel
+per direction) pairs only the entries that share a slot, which in a large bank are few; it
+takes every chunk with at most MC such entries. The dense kernels below take the rest ("heavy"
+chunks; every chunk where the geometry has no sparse path): grid (N, B * H, C // BJ), a program
+owns BJ tokens ("own" entries: their W write and R read entries) of one chunk and walks the
+chunk's C tokens in order, matching each token's entries against its own, and writes the
+columns of its tokens in A and QK and its entries' weights. Launched after the sparse path, a
+dense program returns at once unless its chunk is heavy. On either path each output element has
+one writer and every sum and product runs in a fixed order, so the result is bitwise
+deterministic.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
@@ -48,13 +54,19 @@ _TILE = 4096     # own entries x token entries compared at once
 
 
 @triton.jit
-def _mul(a, b):
-    return a * b
+def _rowprod(x, M: tl.constexpr, N: tl.constexpr):
+    """Products along the rows of x [M, N] (N a power of 2) as a tree of halvings: a fixed
+    order, and far faster under the interpreter than a tl.reduce with a custom combine."""
+    for k in tl.static_range(N.bit_length() - 1):
+        lo, hi = tl.split(tl.reshape(x, (M, N >> (k + 1), 2)))
+        x = lo * hi
+    return tl.reshape(x, (M,))
 
 
 @triton.jit
-def _prod(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _mul)
+def _lastprod(x, L: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
+    """Products along the last axis of x [L, M, N]: [L, M]."""
+    return tl.reshape(_rowprod(tl.reshape(x, (L * M, N)), L * M, N), (L, M))
 
 
 @triton.jit
@@ -70,13 +82,17 @@ def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: 
 @triton.jit
 def _chunk_prepare_kernel(
     write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count,
     T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    SPARSE: tl.constexpr, MC: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
+    if SPARSE:   # the sparse path has done every chunk but the heavy ones
+        if tl.load(shared_count + p * tl.num_programs(0) + n) <= MC:
+            return
     j0 = tl.program_id(2) * BJ
     h = p % H
     if VARLEN:
@@ -124,7 +140,7 @@ def _chunk_prepare_kernel(
 
         # Own write entries against token t's write and read entries.
         hit = s_b[:, :, None] == s_t[None, None, :]                      # [BJ, WP, WP]
-        d = _prod(tl.where(hit, d_t[None, None, :], 1.0), 2)             # [BJ, WP]
+        d = _lastprod(tl.where(hit, d_t[None, None, :], 1.0), BJ, WP, WP)             # [BJ, WP]
         kw = tl.sum(tl.where(hit, w_t[None, None, :], 0.0), 2)
         qhit = s_b[:, :, None] == q_t[None, None, :]                     # [BJ, WP, RP]
         qw = tl.sum(tl.where(qhit, wq_t[None, None, :], 0.0), 2)
@@ -142,7 +158,7 @@ def _chunk_prepare_kernel(
 
         # Own read entries: decay of their slot up to their token.
         rhit = s_r[:, :, None] == s_t[None, None, :]                     # [BJ, RP, WP]
-        rd = _prod(tl.where(rhit, d_t[None, None, :], 1.0), 2)
+        rd = _lastprod(tl.where(rhit, d_t[None, None, :], 1.0), BJ, RP, WP)
         rupto = tl.where(t > jj[:, None], rupto, rupto * rd)
         rr = (s_r[:, :, None] == q_t[None, None, :]) & ((t * RP + orr)[None, None, :] < flat_r[:, :, None])
         rcnt += tl.sum(rr.to(tl.int32), 2)
@@ -178,14 +194,17 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     N, P = chunk_grid(B, T, H, C, chunks)
     if P * N == 0:
         return
+    common = (write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
+              write_idx if chunks is None else chunks,
+              A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
+    flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
+    shared = _sparse_launch(_chunk_sort_kernel, _chunk_pairs_kernel, common, W, R, C, N, P, T, H,
+                           bank_rows, flags, write_idx.device)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
     wrap_triton(_chunk_prepare_kernel)[(N, P, C // bj)](
-        write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
-        write_idx if chunks is None else chunks,
-        A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-        T, H, bank_rows,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, HAS_DECAY=decay is not None,
-        VARLEN=chunks is not None, num_warps=_NUM_WARPS)
+        *common, write_idx if shared is None else shared, T, H, bank_rows,
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, MC=_compact(W, R, C),
+        num_warps=_NUM_WARPS, **flags)
 
 
 # ---------------------------------------------------------------------------
@@ -220,13 +239,17 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
 def _chunk_prepare_bwd_kernel(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w,
+    d_write_w, d_decay, d_read_w, shared_count,
     T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    SPARSE: tl.constexpr, MC: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
+    if SPARSE:
+        if tl.load(shared_count + p * tl.num_programs(0) + n) <= MC:
+            return
     j0 = tl.program_id(2) * BJ
     h = p % H
     if VARLEN:
@@ -279,7 +302,7 @@ def _chunk_prepare_bwd_kernel(
         gr_t = tl.load(d_gather_r + row_t * R + orr, mask=vq_t, other=0.0).to(tl.float32)
 
         hit = s_e[:, None] == s_t[None, :]                                # [E, WP]
-        dprod = _prod(tl.where(hit, d_t[None, :], 1.0), 1)
+        dprod = _rowprod(tl.where(hit, d_t[None, :], 1.0), E, WP)
         kk = tl.sum(tl.where(hit, w_t[None, :], 0.0), 1)
         gs = tl.sum(tl.where(hit, (gw_t * w_t)[None, :], 0.0), 1)
         rds = tl.sum(tl.where(hit, rd_t[None, :], 0.0), 1)
@@ -293,7 +316,7 @@ def _chunk_prepare_bwd_kernel(
         fwd = tl.where(after, fwd * dprod, fwd)
         d_self = tl.where(at, dprod, d_self)
         not_me = at[:, None] & hit & (ow[None, :] != we[:, None])
-        others = tl.where(at, _prod(tl.where(not_me, d_t[None, :], 1.0), 1), others)
+        others = tl.where(at, _rowprod(tl.where(not_me, d_t[None, :], 1.0), E, WP), others)
         rd_sum += rds
         col_a = tl.load(dA + a_base + t * C + te, mask=after, other=0.0)
         col_q = tl.load(dQK + a_base + t * C + te, mask=t >= te, other=0.0)
@@ -327,7 +350,7 @@ def _chunk_prepare_bwd_kernel(
         d_t = _token_decays(decay, row_t, v_t, W, WP, HAS_DECAY)
         sw_t = tl.load(d_scatter_w + row_t * W + ow, mask=v_t, other=0.0).to(tl.float32)
         hit = s_e[:, None] == s_t[None, :]
-        dprod = _prod(tl.where(hit, d_t[None, :], 1.0), 1)
+        dprod = _rowprod(tl.where(hit, d_t[None, :], 1.0), E, WP)
         kk = tl.sum(tl.where(hit, w_t[None, :], 0.0), 1)
         gsw = tl.sum(tl.where(hit, (sw_t * w_t)[None, :], 0.0), 1)
         before = t < te
@@ -339,7 +362,7 @@ def _chunk_prepare_bwd_kernel(
         back = tl.where(before, back * dprod, back)
         # Own read entries.
         rhit = s_r[:, None] == s_t[None, :]                               # [ER, WP]
-        rprod = _prod(tl.where(rhit, d_t[None, :], 1.0), 1)
+        rprod = _rowprod(tl.where(rhit, d_t[None, :], 1.0), ER, WP)
         rk = tl.sum(tl.where(rhit, w_t[None, :], 0.0), 1)
         upto_r = t <= ti
         qk_it = tl.load(dQK + a_base + ti * C + t, mask=upto_r & ok_r, other=0.0)
@@ -375,12 +398,440 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     N, P = chunk_grid(B, T, H, C, chunks)
     if P * N == 0:
         return
+    common = (write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
+              write_idx if chunks is None else chunks,
+              dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+              d_write_w, d_write_w if d_decay is None else d_decay, d_read_w)
+    flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
+    shared = _sparse_launch(_chunk_sort_bwd_kernel, _chunk_pairs_bwd_kernel, common, W, R, C, N,
+                           P, T, H, bank_rows, flags, write_idx.device)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
     wrap_triton(_chunk_prepare_bwd_kernel)[(N, P, C // bj)](
-        write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
-        write_idx if chunks is None else chunks,
-        dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-        d_write_w, d_write_w if d_decay is None else d_decay, d_read_w,
-        T, H, bank_rows,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, HAS_DECAY=decay is not None,
-        VARLEN=chunks is not None, num_warps=_NUM_WARPS)
+        *common, write_idx if shared is None else shared, T, H, bank_rows,
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, MC=_compact(W, R, C),
+        num_warps=_NUM_WARPS, **flags)
+
+
+# ---------------------------------------------------------------------------
+# The sparse path: only entries that share a slot meet
+# ---------------------------------------------------------------------------
+#
+# Every term above pairs two entries of a chunk on the same slot, and in a large bank few
+# entries share one (at S = 65536, about 1.5% of a chunk's 1024 entries). The sparse path runs
+# two kernels per chunk before the dense kernels above (launched with SPARSE), which then do
+# only the chunks it leaves them.
+#
+# 1. Sort (``_chunk_sort_kernel``, and its backward twin): an entry's position
+#    p = tok * 2 EM + side * EM + j (side 0 for write entries, 1 for read entries,
+#    EM = max(WP, RP)) puts a token's write entries before its reads and tokens in order. The
+#    chunk's NP entries are sorted by (hash of the slot, p) as int32 keys hash << KB | p; an
+#    invalid entry gets the hash bucket no slot hashes to. Entries alone in their bucket are
+#    alone on their slot ("lone") and need no pairing: a lone write entry has gather_w = w d,
+#    scatter_w = w, row_decay = d, rank 0 (gradients dw = dgw d + dsw, dd = dgw w + drd); a
+#    lone read entry has gather_r = w, read_rank 0 (dw = dgr). The kernel writes those, and the
+#    positions of the others ("shared", m of them, in sorted order) into a compact list of MC.
+#    With m > MC the chunk is "heavy" and left to the dense kernels whole.
+# 2. Pairs (``_chunk_pairs_kernel``, and its backward twin) form everything of the compact
+#    list's entries with [MC, MC] tiles, comparing their real slots (two slots may share a
+#    hash). One slot's entries appear in position order; with D_x the product of a token's
+#    decays on the slot, carried by the token's first write entry x (1 on every other entry),
+#
+#      Gamma[a, b] = prod_{b < x <= a, same slot} D_x      (a cumulative product down columns)
+#      gather_w[a] = w_a prod_{x <= a} D_x     scatter_w[a] = w_a prod_{x > a} D_x   (same slot)
+#      A[tok_a, tok_b] += w_a w_b Gamma[a, b]  for write entries b < a of different tokens,
+#      QK[tok_a, tok_b] += w_a w_b Gamma[a, b] for a read entry a and a write entry b < a,
+#
+#    the last two as dots with one-hot token matrices, so each element of A and QK is one
+#    fixed sum. Products are still formed by multiplication only.
+
+COMPACT = 64           # MC: shared entries per chunk that the sparse path takes (a power of 2)
+SPARSE_ENTRIES = 2048  # the sparse path runs when a chunk has at most this many entry positions
+_SORT_WARPS = 8
+_PAIR_TIER = 32      # the first tier's compact list
+
+
+def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
+    """(EM, NP, KB, MC) of the sparse path: entries per token side, entry positions per chunk
+    (2 ** KB) and compact list size; None when the sparse path is off (COMPACT < 16) or a chunk
+    has too many positions for it."""
+    em = triton.next_power_of_2(max(W, R, 1))
+    np_ = 2 * em * C
+    if np_ > SPARSE_ENTRIES or COMPACT < 16:
+        return None
+    return em, np_, np_.bit_length() - 1, min(COMPACT, np_)
+
+
+def _compact(W: int, R: int, C: int) -> int:
+    """MC of the geometry (0 without a sparse path)."""
+    geo = sparse_geometry(W, R, C)
+    return 0 if geo is None else geo[3]
+
+
+def _sparse_launch(sort_kernel, pairs_kernel, common, W, R, C, N, P, T, H, bank_rows, flags,
+                   device):
+    """Launch the sparse path's two kernels over every chunk; returns the number of shared
+    entries per chunk (int32 [P, N]; the dense kernels take the chunks past MC), or None when
+    the geometry has no sparse path (the dense kernels then do every chunk)."""
+    geo = sparse_geometry(W, R, C)
+    if geo is None:
+        return None
+    em, np_, kb, mc = geo
+    shared = torch.empty(P, N, dtype=torch.int32, device=device)
+    compact = torch.empty(P, N, mc, dtype=torch.int32, device=device)
+    sizes = dict(W=W, R=R, EM=em, NP=np_, KB=kb, MC=mc, C=C, **flags)
+    wrap_triton(sort_kernel)[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes,
+                                     num_warps=_SORT_WARPS)
+    # Two tiers: most chunks have few shared entries and take small tiles (few registers, many
+    # programs per SM); the rest up to MC take full ones.
+    lo = -1
+    for tier in sorted({min(_PAIR_TIER, mc), mc}):
+        wrap_triton(pairs_kernel)[(N, P)](*common, shared, compact, T, H, bank_rows,
+                                          **{**sizes, "MC": tier}, LO=lo, CAP=mc,
+                                          num_warps=4 if tier <= 32 else 8)
+        lo = tier
+    return shared
+
+
+@triton.jit
+def _exchange(x, N: tl.constexpr, LEVEL: tl.constexpr, STEP: tl.constexpr):
+    """One compare-exchange step of _sort: partners at stride 2^(LEVEL - 1 - STEP), runs of
+    2^LEVEL alternately ascending and descending. x is viewed as [N / 2s, 2, s] and each
+    element's partner is the pair's sum less itself."""
+    HALF: tl.constexpr = 1 << (LEVEL - 1 - STEP)
+    G: tl.constexpr = N // (2 * HALF)
+    y = tl.reshape(x, (G, 2, HALF))
+    partner = tl.sum(y, 1, keep_dims=True) - y
+    right = (tl.arange(0, 2) == 1)[None, :, None]
+    desc = (((tl.arange(0, G) * (2 * HALF)) >> LEVEL) & 1 == 1)[:, None, None]
+    y = tl.where(right == desc, tl.minimum(y, partner), tl.maximum(y, partner))
+    return tl.reshape(y, (N,))
+
+
+@triton.jit
+def _sort(x, N: tl.constexpr):
+    """x [N] (N a power of 2, 0 <= x < 2^30) in ascending order by a bitonic network of
+    builtins only: tl.sort's exchange step is a custom tl.reduce, which the interpreter runs
+    element by element, and one through tl.gather compiles very slowly."""
+    for level in tl.static_range(1, N.bit_length()):
+        for step in tl.static_range(level):
+            x = _exchange(x, N, level, step)
+    return x
+
+
+@triton.jit
+def _rowprod_scan(x, N: tl.constexpr):
+    """Products along the rows of x [M, N]: the last column of a cumulative product (a scan
+    compiles quickly where a tree of reshapes does not, at [64, 64])."""
+    return tl.sum(tl.where(tl.arange(0, N)[None, :] == N - 1, tl.cumprod(x, 1), 0.0), 1)
+
+
+@triton.jit
+def _position(pos, EM: tl.constexpr):
+    """(token, is a read entry, entry number) of entry positions."""
+    return pos // (2 * EM), (pos // EM) % 2 == 1, pos % EM
+
+
+@triton.jit
+def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr):
+    """Sort a chunk's entries (indices ``raw`` [NP] by position) by slot hash.
+
+    Returns the sorted positions, which of them share a hash bucket with another entry (every
+    entry that shares a slot does; invalid entries never do) and each one's place among those
+    (an exclusive running count)."""
+    HB: tl.constexpr = 30 - KB
+    NONE: tl.constexpr = (1 << HB) - 1                 # the invalid entries' bucket
+    i = tl.arange(0, NP)
+    ok = exists & (raw >= 0) & (raw < S)
+    bucket = ((raw * 0x9E3779B1) >> 20) & ((1 << HB) - 1)
+    bucket = tl.where(ok, tl.where(bucket == NONE, 0, bucket), NONE).to(tl.int32)
+    keys = _sort((bucket << KB) | i, NP)
+    b = keys >> KB
+    prev = tl.gather(b, tl.maximum(i - 1, 0), 0)
+    nxt = tl.gather(b, tl.minimum(i + 1, NP - 1), 0)
+    shared = (b != NONE) & (((i > 0) & (prev == b)) | ((i < NP - 1) & (nxt == b)))
+    place = tl.cumsum(shared.to(tl.int32), 0) - shared.to(tl.int32)
+    return keys & (NP - 1), shared, place
+
+
+@triton.jit
+def _chunk_sort_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
+    T, H, S,
+    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
+    MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    if VARLEN:   # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
+    tok, is_read, j = _position(tl.arange(0, NP), EM)
+    exists = (tok < count) & (j < tl.where(is_read, R, W))
+    row = (tok0 + tok) * H + h
+    raw = tl.where(is_read,
+                   tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
+                   tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
+    pos, shared, place = _shared_entries(raw, exists, S, NP, KB)
+    m = tl.sum(shared.to(tl.int32), 0)
+    chunk = p * tl.num_programs(0) + n
+    tl.store(shared_count + chunk, m)
+    tl.store(compact + chunk.to(tl.int64) * MC + place, pos, mask=shared & (place < MC))
+
+    # Lone entries (sorted order), when the chunk is not heavy.
+    tok, is_read, j = _position(pos, EM)
+    row = (tok0 + tok) * H + h
+    lone = (m <= MC) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
+    wo = row * W + j
+    ro = row * R + j
+    lone_w = lone & ~is_read
+    lone_r = lone & is_read
+    ok_w = lone_w & (tl.load(write_idx + wo, mask=lone_w, other=-1) >= 0)
+    ok_r = lone_r & (tl.load(read_idx + ro, mask=lone_r, other=-1) >= 0)
+    w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+    if HAS_DECAY:
+        d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
+    else:
+        d = tl.full((NP,), 1.0, tl.float32)
+    tl.store(gather_w + wo, w * d, mask=lone_w)
+    tl.store(scatter_w + wo, w, mask=lone_w)
+    tl.store(row_decay + wo, d, mask=lone_w)
+    tl.store(rank + wo, tl.zeros((NP,), tl.int32), mask=lone_w)
+    tl.store(gather_r + ro, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32), mask=lone_r)
+    tl.store(read_rank + ro, tl.zeros((NP,), tl.int32), mask=lone_r)
+
+
+@triton.jit
+def _chunk_sort_bwd_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+    d_write_w, d_decay, d_read_w, shared_count, compact,
+    T, H, S,
+    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
+    MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    if VARLEN:   # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
+    tok, is_read, j = _position(tl.arange(0, NP), EM)
+    exists = (tok < count) & (j < tl.where(is_read, R, W))
+    row = (tok0 + tok) * H + h
+    raw = tl.where(is_read,
+                   tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
+                   tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
+    pos, shared, place = _shared_entries(raw, exists, S, NP, KB)
+    m = tl.sum(shared.to(tl.int32), 0)
+    chunk = p * tl.num_programs(0) + n
+    tl.store(shared_count + chunk, m)
+    tl.store(compact + chunk.to(tl.int64) * MC + place, pos, mask=shared & (place < MC))
+
+    tok, is_read, j = _position(pos, EM)
+    row = (tok0 + tok) * H + h
+    lone = (m <= MC) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
+    wo = row * W + j
+    ro = row * R + j
+    lone_w = lone & ~is_read
+    lone_r = lone & is_read
+    ok_w = lone_w & (tl.load(write_idx + wo, mask=lone_w, other=-1) >= 0)
+    ok_r = lone_r & (tl.load(read_idx + ro, mask=lone_r, other=-1) >= 0)
+    gw = tl.load(d_gather_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+    if HAS_DECAY:
+        d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
+    else:
+        d = tl.full((NP,), 1.0, tl.float32)
+    tl.store(d_write_w + wo, gw * d + tl.load(d_scatter_w + wo, mask=ok_w, other=0.0).to(tl.float32),
+             mask=lone_w)
+    if HAS_DECAY:
+        w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+        tl.store(d_decay + wo, gw * w + tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32),
+                 mask=lone_w)
+    tl.store(d_read_w + ro, tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32),
+             mask=lone_r)
+
+
+@triton.jit
+def _runs(slot, tok, is_read, ok, d, MC: tl.constexpr):
+    """The compact list's structure (``ok`` marks its m entries; a indexes rows, b columns):
+    (same slot, b < a, same token's write group, D per entry (the group's decay product on its
+    first write entry, 1 elsewhere), the group's first entries, Gamma[a, b] = prod over
+    b < x <= a on the slot of D_x)."""
+    a = tl.arange(0, MC)
+    same = (slot[:, None] == slot[None, :]) & ok[:, None] & ok[None, :]
+    lower = a[None, :] < a[:, None]
+    group = same & (tok[:, None] == tok[None, :]) & (~is_read[:, None]) & (~is_read[None, :])
+    first = ok & (~is_read) & (tl.sum((group & lower).to(tl.int32), 1) == 0)
+    dg = tl.where(first, _rowprod_scan(tl.where(group, d[None, :], 1.0), MC), 1.0)
+    gam = tl.cumprod(tl.where(same & (a[:, None] > a[None, :]), dg[:, None], 1.0), 0)
+    return same, lower, group, dg, first, gam
+
+
+@triton.jit
+def _pairs(same, lower, tok, is_read):
+    """Which (a, b) meet in A or QK: b a write entry before a on the slot, and a a read entry
+    or a write entry of a later token."""
+    return same & lower & (~is_read[None, :]) & (is_read[:, None] | (tok[:, None] > tok[None, :]))
+
+
+@triton.jit
+def _chunk_pairs_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
+    T, H, S,
+    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
+    MC: tl.constexpr, LO: tl.constexpr, CAP: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    chunk = p * tl.num_programs(0) + n
+    m = tl.load(shared_count + chunk)
+    if (m > MC) | (m <= LO):   # another tier's chunk
+        return
+    if VARLEN:   # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
+    a = tl.arange(0, MC)
+    ok = a < m
+    tok, is_read, j = _position(tl.load(compact + chunk.to(tl.int64) * CAP + a, mask=ok, other=0), EM)
+    row = (tok0 + tok) * H + h
+    wo = row * W + j
+    ro = row * R + j
+    ok_w = ok & ~is_read
+    ok_r = ok & is_read
+    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok_r, other=-1).to(tl.int64),
+                    tl.load(write_idx + wo, mask=ok_w, other=-1).to(tl.int64))
+    w = tl.where(is_read, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32),
+                 tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32))
+    if HAS_DECAY:
+        d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
+    else:
+        d = tl.full((MC,), 1.0, tl.float32)
+    same, lower, group, dg, first, gam = _runs(slot, tok, is_read, ok, d, MC)
+    pincl = _rowprod_scan(tl.where(same & (a[None, :] <= a[:, None]), dg[None, :], 1.0), MC)
+    sexcl = _rowprod_scan(tl.where(same & (a[None, :] > a[:, None]), dg[None, :], 1.0), MC)
+    place = tl.sum((same & lower & (is_read[:, None] == is_read[None, :])).to(tl.int32), 1)
+    tl.store(gather_w + wo, w * pincl, mask=ok_w)
+    tl.store(scatter_w + wo, w * sexcl, mask=ok_w)
+    tl.store(row_decay + wo, pincl * sexcl, mask=ok_w)
+    tl.store(rank + wo, place, mask=ok_w)
+    tl.store(gather_r + ro, w * pincl, mask=ok_r)
+    tl.store(read_rank + ro, place, mask=ok_r)
+
+    # A and QK: the pairs' terms summed per (token, token) by one-hot dots.
+    pm = tl.where(_pairs(same, lower, tok, is_read), w[:, None] * w[None, :] * gam, 0.0)
+    cols = tl.arange(0, C)
+    at = tok[:, None] == cols[None, :]                                          # [MC, C]
+    by_col = tl.dot(pm, at.to(tl.float32), input_precision="ieee")             # [MC, C]
+    a_rows = tl.dot(tl.trans((at & ~is_read[:, None]).to(tl.float32)), by_col, input_precision="ieee")
+    q_rows = tl.dot(tl.trans((at & is_read[:, None]).to(tl.float32)), by_col, input_precision="ieee")
+    tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
+    tl.store(A + tile, a_rows)
+    tl.store(QK + tile, q_rows)
+
+
+# The pairs' backward, in the compact list's terms (x, a, c on one slot; c a write group's first
+# entry, whose D_c every product above is split around; Gx[c, b] = Gamma[c-1, b] is the product
+# over b < x < c; y = dgw w or dgr w, z = dsw w, g = dA or dQK at the pair):
+#
+#   dw_a = dgw_a P_a + dsw_a S_a (write) or dgr_a P_a (read)
+#          + sum_b g[a,b] Gamma[a,b] w_b + sum_a' g[a',a] Gamma[a',a] w_a'     (pairs)
+#   dD_c = Pexcl_c sum_{x >= c} y_x Gamma[x,c] + S_c sum_{b < c} z_b Gx[c,b]
+#          + Pexcl_c S_c sum_slot drd + sum_{a >= c} Gamma[a,c] (G Gx^T)[a,c],
+#          G[a,b] = g[a,b] w_a w_b on pairs,
+#   d_decay_e = dD_(e's group) * prod of the group's other decays,
+#
+# with P (inclusive), Pexcl and S (exclusive) the products of D before / after an entry on its
+# slot.
+
+
+@triton.jit
+def _chunk_pairs_bwd_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+    d_write_w, d_decay, d_read_w, shared_count, compact,
+    T, H, S,
+    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
+    MC: tl.constexpr, LO: tl.constexpr, CAP: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    chunk = p * tl.num_programs(0) + n
+    m = tl.load(shared_count + chunk)
+    if (m > MC) | (m <= LO):
+        return
+    if VARLEN:   # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
+    a = tl.arange(0, MC)
+    ok = a < m
+    tok, is_read, j = _position(tl.load(compact + chunk.to(tl.int64) * CAP + a, mask=ok, other=0), EM)
+    row = (tok0 + tok) * H + h
+    wo = row * W + j
+    ro = row * R + j
+    ok_w = ok & ~is_read
+    ok_r = ok & is_read
+    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok_r, other=-1).to(tl.int64),
+                    tl.load(write_idx + wo, mask=ok_w, other=-1).to(tl.int64))
+    w = tl.where(is_read, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32),
+                 tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32))
+    if HAS_DECAY:
+        d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
+    else:
+        d = tl.full((MC,), 1.0, tl.float32)
+    dgw = tl.load(d_gather_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+    dsw = tl.load(d_scatter_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+    drd = tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32)
+    dgr = tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32)
+    same, lower, group, dg, first, gam = _runs(slot, tok, is_read, ok, d, MC)
+    pair = _pairs(same, lower, tok, is_read)
+    at = chunk.to(tl.int64) * C * C + tok[:, None] * C + tok[None, :]
+    g = tl.where(is_read[:, None], tl.load(dQK + at, mask=pair & is_read[:, None], other=0.0),
+                 tl.load(dA + at, mask=pair & ~is_read[:, None], other=0.0))
+    dw, dd = _pair_grads(same, lower, group, dg, first, gam, pair, g, w, d, is_read,
+                         dgw, dsw, drd, dgr, MC)
+    tl.store(d_write_w + wo, dw, mask=ok_w)
+    if HAS_DECAY:
+        tl.store(d_decay + wo, dd, mask=ok_w)
+    tl.store(d_read_w + ro, dw, mask=ok_r)
+
+
+@triton.jit
+def _pair_grads(same, lower, group, dg, first, gam, pair, g, w, d, is_read,
+                dgw, dsw, drd, dgr, MC: tl.constexpr):
+    """(dw, d_decay) of the compact list's entries; see the formulas above."""
+    a = tl.arange(0, MC)
+    upto = same & (a[None, :] <= a[:, None])
+    pincl = _rowprod_scan(tl.where(upto, dg[None, :], 1.0), MC)
+    pexcl = _rowprod_scan(tl.where(same & lower, dg[None, :], 1.0), MC)
+    sexcl = _rowprod_scan(tl.where(same & (a[None, :] > a[:, None]), dg[None, :], 1.0), MC)
+    hm = tl.where(pair, g * gam, 0.0)
+    dw = tl.where(is_read, dgr * pincl, dgw * pincl + dsw * sexcl)
+    dw += tl.sum(hm * w[None, :], 1) + tl.sum(hm * w[:, None], 0)
+    # Gx[c, b] = Gamma[c - 1, b] (b < c): the rows of Gamma moved down by one.
+    gx = tl.where(same & lower, tl.gather(gam, tl.maximum(a - 1, 0)[:, None] + 0 * a[None, :], 0), 0.0)
+    y = tl.where(is_read, dgr, dgw) * w
+    z = tl.where(is_read, 0.0, dsw * w)
+    on_slot = tl.sum(tl.where(same & ~is_read[None, :], drd[None, :], 0.0), 1)
+    # upto[x, c] is x >= c on the slot: sums down the columns run over x (or a) >= c.
+    t_gather = tl.sum(tl.where(upto, y[:, None] * gam, 0.0), 0)
+    t_scatter = tl.sum(z[None, :] * gx, 1)
+    q = tl.where(pair, g * w[:, None] * w[None, :], 0.0)
+    nm = tl.dot(q, tl.trans(gx), input_precision="ieee")                   # [a, c]
+    t_pairs = tl.sum(tl.where(upto, gam * nm, 0.0), 0)
+    dd = pexcl * t_gather + sexcl * t_scatter + on_slot * pexcl * sexcl + t_pairs
+    group_dd = tl.sum(tl.where(group & first[None, :], dd[None, :], 0.0), 1)
+    others = _rowprod_scan(tl.where(group & (a[None, :] != a[:, None]), d[None, :], 1.0), MC)
+    return dw, group_dd * others

@@ -1,0 +1,135 @@
+"""Phase 1 (``sdm::chunk_prepare`` and its backward) on both of its kernel paths against the
+float64 reference: the sparse path (entries sorted by slot, only those that share a slot
+paired) and the dense path it hands heavy chunks to (more shared entries than its compact
+list holds). ``COMPACT`` sets the list's size: 0 turns the sparse path off (the dense kernel
+does every chunk), 16 splits chunks between the two, 64 is the default."""
+
+import pytest
+import torch
+
+from sdm_ops import ops
+from sdm_ops import reference as ref
+from sdm_ops.kernels import chunk_prepare as kernel
+from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
+                           on_kernels, requires_kernels)
+
+pytestmark = requires_kernels
+
+
+@pytest.fixture
+def heavy_flags(monkeypatch):
+    """The per-chunk heavy flags (more shared entries than COMPACT) of every sparse launch,
+    and a setter of COMPACT."""
+    seen = []
+    launch = kernel._sparse_launch
+
+    def spy(*args, **kwargs):
+        shared = launch(*args, **kwargs)
+        W, R, C = args[3:6]
+        seen.append(None if shared is None else (shared > kernel.sparse_geometry(W, R, C)[3]).cpu())
+        return shared
+
+    monkeypatch.setattr(kernel, "_sparse_launch", spy)
+    return seen, lambda mc: monkeypatch.setattr(kernel, "COMPACT", mc)
+
+
+def _prepare(a, C, cu=None):
+    S = a["bank"].shape[-2]
+    tables = (None, None) if cu is None else ref.varlen_chunks(cu, a["v"].shape[1], C)
+    with on_kernels(), torch.no_grad():
+        prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
+                                 a.get("decay"), S, C, *tables)
+    return prep, tables
+
+
+def _prepare_backward(a, grads, tables):
+    S = a["bank"].shape[-2]
+    with on_kernels(), torch.no_grad():
+        return ops.chunk_prepare_backward(a["write_idx"], a["write_w"], a["read_idx"],
+                                          a["read_w"], a.get("decay"), S, *grads, *tables)
+
+
+def _reference(a, C, grads, cu=None):
+    """Float64 phase 1 and its backward: (Prepared, (d_write_w, d_read_w, d_decay))."""
+    x = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in a.items()}
+    S = x["bank"].shape[-2]
+    args = (x["write_idx"], x["write_w"], x["read_idx"], x["read_w"], x.get("decay"), S)
+    g = [t.cpu().double() for t in grads]
+    if cu is None:
+        return (ref.chunk_prepare_reference(*args, C),
+                ref.chunk_prepare_backward_reference(*args, *g))
+    tables = ref.varlen_chunks(cu.cpu(), x["v"].shape[1], C)
+    return (ref.chunk_prepare_varlen_reference(*args, C, *tables),
+            ref.chunk_prepare_backward_varlen_reference(*args, *g, *tables))
+
+
+def _check(a, C, cu=None, seed=0):
+    prep, tables = _prepare(a, C, cu)
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(t.shape, generator=gen).to(t.device) for t in prep[:6]]
+    expected, expected_grads = _reference(a, C, grads, cu)
+    for name, got, want in zip(ref.Prepared._fields, prep, expected):
+        if got.is_floating_point():
+            assert_close(got, want, rtol=1e-5, name=name)
+        else:
+            assert torch.equal(got.cpu().long(), want.long()), name
+    got_grads = _prepare_backward(a, grads, tables)
+    for name, got, want in zip(("d_write_w", "d_read_w", "d_decay"), got_grads, expected_grads):
+        if want is not None:
+            assert_close(got, want, rtol=1e-5, name=name)
+
+
+@pytest.mark.parametrize("compact", [0, 16, 64])
+@pytest.mark.parametrize("case", [
+    dict(T=37, W=3, R=2, S=11),                  # every slot shared: mostly heavy chunks
+    dict(T=40, W=8, R=8, S=300),                 # some shared slots per chunk
+    dict(T=21, W=4, R=3, S=60, decay=False),
+    dict(T=33, W=2, R=5, S=40, zero_decay=0.5),  # many decays of exactly 0
+])
+def test_phase1_and_backward_match_float64_on_both_paths(heavy_flags, compact, case):
+    seen, set_compact = heavy_flags
+    set_compact(compact)
+    a = make_sdm_inputs(B=2, H=2, D=16, seed=compact + case["T"], device=KERNEL_DEVICE, **case)
+    _check(a, 16, seed=compact)
+    assert len(seen) == 2   # forward and backward
+    if compact == 0:
+        assert seen == [None, None], "COMPACT=0 must turn the sparse path off"
+    else:
+        assert torch.equal(seen[0], seen[1]), "forward and backward split chunks differently"
+
+
+def test_the_paths_split_chunks_and_both_run(heavy_flags):
+    """With a small compact list, some chunks of the same call are light and some heavy."""
+    seen, set_compact = heavy_flags
+    set_compact(16)
+    a = make_sdm_inputs(B=2, H=2, D=16, T=64, W=8, R=8, S=2000, seed=3, device=KERNEL_DEVICE)
+    _check(a, 16, seed=3)
+    flags = seen[0]
+    assert 0 < int(flags.sum()) < flags.numel(), f"heavy flags {flags.tolist()}"
+
+
+def test_a_large_bank_takes_the_sparse_path_for_every_chunk(heavy_flags):
+    seen, _ = heavy_flags
+    a = make_sdm_inputs(B=1, H=2, D=16, T=70, W=8, R=8, S=100000, seed=4, device=KERNEL_DEVICE)
+    # Some slots shared inside chunks: every 8th token reads two slots the token before it
+    # wrote, and every 4th token writes one of its slots twice.
+    a["read_idx"][:, 1::8, :, :2] = a["write_idx"][:, :-1:8, :, :2]
+    a["write_idx"][:, ::4, :, 7] = a["write_idx"][:, ::4, :, 6]
+    _check(a, 32, seed=4)
+    assert not seen[0].any()
+
+
+@pytest.mark.parametrize("compact", [0, 64])
+def test_packed_batch_on_both_paths(heavy_flags, compact):
+    _, set_compact = heavy_flags
+    set_compact(compact)
+    a = make_packed_sdm_inputs([5, 19, 0, 30], S=200, W=4, R=4, seed=5, device=KERNEL_DEVICE)
+    _check(a, 16, cu=a["cu_seqlens"], seed=5)
+
+
+def test_geometries_past_the_sparse_limit_use_the_dense_path_alone(heavy_flags):
+    seen, _ = heavy_flags
+    a = make_sdm_inputs(B=1, H=1, D=16, T=20, W=40, R=3, S=5000, seed=6, device=KERNEL_DEVICE)
+    assert kernel.sparse_geometry(40, 3, 32) is None
+    _check(a, 32, seed=6)
+    assert seen == [None, None]
