@@ -198,8 +198,8 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
               write_idx if chunks is None else chunks,
               A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = _sparse_launch(_chunk_sort_kernel, _chunk_pairs_kernel, common, W, R, C, N, P, T, H,
-                           bank_rows, flags, write_idx.device)
+    shared = _sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags,
+                            write_idx.device)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
     wrap_triton(_chunk_prepare_kernel)[(N, P, C // bj)](
         *common, write_idx if shared is None else shared, T, H, bank_rows,
@@ -403,8 +403,8 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
               dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
               d_write_w, d_write_w if d_decay is None else d_decay, d_read_w)
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = _sparse_launch(_chunk_sort_bwd_kernel, _chunk_pairs_bwd_kernel, common, W, R, C, N,
-                           P, T, H, bank_rows, flags, write_idx.device)
+    shared = _sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags,
+                            write_idx.device)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
     wrap_triton(_chunk_prepare_bwd_kernel)[(N, P, C // bj)](
         *common, write_idx if shared is None else shared, T, H, bank_rows,
@@ -467,8 +467,7 @@ def _compact(W: int, R: int, C: int) -> int:
     return 0 if geo is None else geo[3]
 
 
-def _sparse_launch(sort_kernel, pairs_kernel, common, W, R, C, N, P, T, H, bank_rows, flags,
-                   device):
+def _sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags, device):
     """Launch the sparse path's two kernels over every chunk; returns the number of shared
     entries per chunk (int32 [P, N]; the dense kernels take the chunks past MC), or None when
     the geometry has no sparse path (the dense kernels then do every chunk)."""
@@ -479,15 +478,17 @@ def _sparse_launch(sort_kernel, pairs_kernel, common, W, R, C, N, P, T, H, bank_
     shared = torch.empty(P, N, dtype=torch.int32, device=device)
     compact = torch.empty(P, N, mc, dtype=torch.int32, device=device)
     sizes = dict(W=W, R=R, EM=em, NP=np_, KB=kb, MC=mc, C=C, **flags)
-    wrap_triton(sort_kernel)[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes,
-                                     num_warps=_SORT_WARPS)
+    if backward:
+        sort, pairs = wrap_triton(_chunk_sort_bwd_kernel), wrap_triton(_chunk_pairs_bwd_kernel)
+    else:
+        sort, pairs = wrap_triton(_chunk_sort_kernel), wrap_triton(_chunk_pairs_kernel)
+    sort[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS)
     # Two tiers: most chunks have few shared entries and take small tiles (few registers, many
     # programs per SM); the rest up to MC take full ones.
     lo = -1
     for tier in sorted({min(_PAIR_TIER, mc), mc}):
-        wrap_triton(pairs_kernel)[(N, P)](*common, shared, compact, T, H, bank_rows,
-                                          **{**sizes, "MC": tier}, LO=lo, CAP=mc,
-                                          num_warps=4 if tier <= 32 else 8)
+        pairs[(N, P)](*common, shared, compact, T, H, bank_rows, **{**sizes, "MC": tier}, LO=lo,
+                      CAP=mc, num_warps=4 if tier <= 32 else 8)
         lo = tier
     return shared
 
