@@ -133,3 +133,26 @@ def test_geometries_past_the_sparse_limit_use_the_dense_path_alone(heavy_flags):
     assert kernel.sparse_geometry(40, 3, 32) is None
     _check(a, 32, seed=6)
     assert seen == [None, None]
+
+
+@pytest.mark.parametrize("compact", [0, 64])
+def test_out_of_range_indices_act_as_padding_on_both_paths(heavy_flags, compact):
+    """Compiled code skips the eager index check: phase 1 and its backward treat an index
+    outside [0, S) exactly as -1 (lone or not, on either path)."""
+    _, set_compact = heavy_flags
+    set_compact(compact)
+    S = 3000
+    a = make_sdm_inputs(B=1, H=2, D=16, T=40, W=4, R=4, S=S, seed=7, device=KERNEL_DEVICE)
+    clean = {k: v.clone() for k, v in a.items()}
+    for name, t, j, bad in (("write_idx", 3, 1, S), ("write_idx", 17, 0, -7),
+                            ("read_idx", 5, 2, 10 ** 6), ("read_idx", 30, 3, S + 1)):
+        a[name][0, t, 1, j] = bad
+        clean[name][0, t, 1, j] = -1
+    prep, tables = _prepare(a, 16)
+    prep_c, _ = _prepare(clean, 16)
+    for name, x, y in zip(ref.Prepared._fields, prep, prep_c):
+        assert torch.equal(x, y), name
+    gen = torch.Generator().manual_seed(7)
+    grads = [torch.randn(t.shape, generator=gen).to(t.device) for t in prep[:6]]
+    for x, y in zip(_prepare_backward(a, grads, tables), _prepare_backward(clean, grads, tables)):
+        assert torch.equal(x, y)

@@ -555,6 +555,24 @@ def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr):
 
 
 @triton.jit
+def _publish(shared_count, compact, chunk, m, pos, shared, place, MC: tl.constexpr):
+    """Store a chunk's shared-entry count and the positions of its first MC shared entries."""
+    tl.store(shared_count + chunk, m)
+    tl.store(compact + chunk.to(tl.int64) * MC + place, pos, mask=shared & (place < MC))
+
+
+@triton.jit
+def _lone_entries(pos, shared, m, tok0, count, h, H, W: tl.constexpr, R: tl.constexpr,
+                  EM: tl.constexpr, MC: tl.constexpr):
+    """Offsets of the sorted entries in [B, T, H, W] and [B, T, H, R] tensors, and which are
+    existing lone write / read entries of a chunk that is not heavy."""
+    tok, is_read, j = _position(pos, EM)
+    row = (tok0 + tok) * H + h
+    lone = (m <= MC) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
+    return row * W + j, row * R + j, lone & ~is_read, lone & is_read
+
+
+@triton.jit
 def _chunk_sort_kernel(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
@@ -578,20 +596,14 @@ def _chunk_sort_kernel(
                    tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
     pos, shared, place = _shared_entries(raw, exists, S, NP, KB)
     m = tl.sum(shared.to(tl.int32), 0)
-    chunk = p * tl.num_programs(0) + n
-    tl.store(shared_count + chunk, m)
-    tl.store(compact + chunk.to(tl.int64) * MC + place, pos, mask=shared & (place < MC))
+    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, MC)
 
-    # Lone entries (sorted order), when the chunk is not heavy.
-    tok, is_read, j = _position(pos, EM)
-    row = (tok0 + tok) * H + h
-    lone = (m <= MC) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
-    wo = row * W + j
-    ro = row * R + j
-    lone_w = lone & ~is_read
-    lone_r = lone & is_read
-    ok_w = lone_w & (tl.load(write_idx + wo, mask=lone_w, other=-1) >= 0)
-    ok_r = lone_r & (tl.load(read_idx + ro, mask=lone_r, other=-1) >= 0)
+    # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
+    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM, MC)
+    raw_w = tl.load(write_idx + wo, mask=lone_w, other=-1)
+    raw_r = tl.load(read_idx + ro, mask=lone_r, other=-1)
+    ok_w = lone_w & (raw_w >= 0) & (raw_w < S)
+    ok_r = lone_r & (raw_r >= 0) & (raw_r < S)
     w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
     if HAS_DECAY:
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
@@ -630,19 +642,14 @@ def _chunk_sort_bwd_kernel(
                    tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
     pos, shared, place = _shared_entries(raw, exists, S, NP, KB)
     m = tl.sum(shared.to(tl.int32), 0)
-    chunk = p * tl.num_programs(0) + n
-    tl.store(shared_count + chunk, m)
-    tl.store(compact + chunk.to(tl.int64) * MC + place, pos, mask=shared & (place < MC))
+    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, MC)
 
-    tok, is_read, j = _position(pos, EM)
-    row = (tok0 + tok) * H + h
-    lone = (m <= MC) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
-    wo = row * W + j
-    ro = row * R + j
-    lone_w = lone & ~is_read
-    lone_r = lone & is_read
-    ok_w = lone_w & (tl.load(write_idx + wo, mask=lone_w, other=-1) >= 0)
-    ok_r = lone_r & (tl.load(read_idx + ro, mask=lone_r, other=-1) >= 0)
+    # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
+    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM, MC)
+    raw_w = tl.load(write_idx + wo, mask=lone_w, other=-1)
+    raw_r = tl.load(read_idx + ro, mask=lone_r, other=-1)
+    ok_w = lone_w & (raw_w >= 0) & (raw_w < S)
+    ok_r = lone_r & (raw_r >= 0) & (raw_r < S)
     gw = tl.load(d_gather_w + wo, mask=ok_w, other=0.0).to(tl.float32)
     if HAS_DECAY:
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
