@@ -11,7 +11,7 @@ from sdm_ops import ops
 from sdm_ops import reference as ref
 from sdm_ops.kernels import chunk_prepare as kernel
 from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
-                           on_kernels, requires_kernels)
+                           on_kernels, requires_kernels, to_float64)
 
 pytestmark = requires_kernels
 
@@ -51,7 +51,7 @@ def _prepare_backward(a, grads, tables):
 
 def _reference(a, C, grads, cu=None):
     """Float64 phase 1 and its backward: (Prepared, (d_write_w, d_read_w, d_decay))."""
-    x = {k: (v.cpu().double() if v.is_floating_point() else v.cpu()) for k, v in a.items()}
+    x = to_float64(a)
     S = x["bank"].shape[-2]
     args = (x["write_idx"], x["write_w"], x["read_idx"], x["read_w"], x.get("decay"), S)
     g = [t.cpu().double() for t in grads]
