@@ -333,7 +333,7 @@ def _no_double_backward(name: str) -> None:
 def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
                         gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
                         read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
-                        bank_out: Tensor, snap: Tensor, snap_scale: Tensor, snapshot: str,
+                        bank_rows: int, snap: Tensor, snap_scale: Tensor, snapshot: str,
                         dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype,
                         chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -342,7 +342,7 @@ def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gathe
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
     B, T, H, D = res.shape
     v_like = res.new_empty((B, T, H, D))
-    args = (v_like, beta, write_idx, read_idx, prep, X, QX, bank_out, snap, snap_scale, snapshot,
+    args = (v_like, beta, write_idx, read_idx, prep, X, QX, bank_rows, snap, snap_scale, snapshot,
             res, delta, dout, dbank_out)
     if chunks is not None:
         grads = reference.recurrence_bwd_varlen_reference(*args, chunks, seq_chunks)
@@ -360,29 +360,32 @@ _recurrence_bwd_reference = _reference_op(
 def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
                    gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
                    read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
-                   bank_out: Tensor, snap: Tensor, snap_scale: Tensor, snapshot: str,
+                   bank_rows: int, snap: Tensor, snap_scale: Tensor, snapshot: str,
                    dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype,
                    chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                               Tensor]:
-    """Backward of ``sdm::recurrence_fwd``: (dv, dbeta, dgather_w, dgather_r, dscatter_w,
-    drow_decay, dX, dQX, dbank [B, H, S, D]); see ``kernels/recurrence_bwd.py``."""
+    """Backward of ``sdm::recurrence_fwd`` from its saved tensors (the bank itself is not
+    needed: ``snap`` holds every row the backward reads; ``bank_rows`` is S): (dv, dbeta,
+    dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D] float32); see
+    ``kernels/recurrence_bwd.py``."""
     if use_kernels(res):
         from .kernels import recurrence_bwd as k
-        dv, dbeta, _, _, _, _, dX, dQX, _ = recurrence_meta.recurrence_bwd_fake(
+        dv, dbeta, _, _, _, _, dX, dQX, dbank = recurrence_meta.recurrence_bwd_fake(
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, res, delta, bank_out, snap, snap_scale, snapshot, dout, dbank_out, v_dtype,
+            X, QX, res, delta, bank_rows, snap, snap_scale, snapshot, dout, dbank_out, v_dtype,
             chunks, seq_chunks)
-        bank = bank_out.clone()
-        dbank = (torch.zeros(bank_out.shape, dtype=torch.float32, device=res.device)
-                 if dbank_out is None else dbank_out.to(torch.float32, copy=True))
+        if dbank_out is None:
+            dbank.zero_()
+        else:
+            dbank.copy_(dbank_out)
         dgw, dgr, dsw, drd = k.recurrence_bwd(
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, res, delta, snap, snap_scale, snapshot, dout, bank, dbank, dv, dX, dQX, dbeta,
+            X, QX, res, delta, snap, snap_scale, snapshot, dout, dbank, dv, dX, dQX, dbeta,
             chunks, seq_chunks)
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
     return _recurrence_bwd_reference(beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
-                                     row_decay, rank, read_rank, X, QX, res, delta, bank_out, snap,
+                                     row_decay, rank, read_rank, X, QX, res, delta, bank_rows, snap,
                                      snap_scale, snapshot, dout, dbank_out, v_dtype, chunks,
                                      seq_chunks)
 
@@ -392,8 +395,8 @@ def _recurrence_fwd_setup(ctx, inputs, output):
      X, QX, bank, snapshot, chunks, seq_chunks) = inputs
     _, bank_out, snap, snap_scale, res, delta = output
     ctx.save_for_backward(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                          rank, read_rank, X, QX, res, delta, bank_out, snap, snap_scale, chunks,
-                          seq_chunks)
+                          rank, read_rank, X, QX, res, delta, snap, snap_scale, chunks, seq_chunks)
+    ctx.bank_rows = bank.shape[-2]
     ctx.snapshot = snapshot
     ctx.v_dtype = v.dtype
     ctx.bank_meta = (bank.dim(), bank.dtype)
@@ -403,10 +406,10 @@ def _recurrence_fwd_grad(ctx, dout, dbank_out, *_):
     _no_double_backward("sparse_delta_memory")
     saved = ctx.saved_tensors
     beta = saved[0]
-    g = torch.ops.sdm.recurrence_bwd(*saved[:16], ctx.snapshot,
+    g = torch.ops.sdm.recurrence_bwd(*saved[:13], ctx.bank_rows, *saved[13:15], ctx.snapshot,
                                      None if dout is None else dout.contiguous(),
                                      None if dbank_out is None else dbank_out.contiguous(),
-                                     ctx.v_dtype, *saved[16:])
+                                     ctx.v_dtype, *saved[15:])
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = g
     dim, dtype = ctx.bank_meta
     if dim == 3:

@@ -131,6 +131,12 @@ def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) ->
     return x.permute(2, 0, 1).reshape(H * NC, C)
 
 
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd will want gradients of any of ``tensors`` (grad mode on and one of
+    them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
     chunks, seq_chunks = (None, None) if cu_seqlens is None else varlen_chunks(
         cu_seqlens, v.shape[1], C)
@@ -163,7 +169,9 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
         bank: ``[B, H, S, D]``, or ``[H, S, D]`` shared by the batch; float32 or bfloat16.
         decay: optional ``[B, T, H, W]`` in [0, 1], one decay per write entry.
         chunk_size: tokens per chunk, one of 16, 32, 64, 128 (results agree to rounding).
-        snapshot: how pre-write rows are kept for the backward: "none", "bf16", "fp8", "int4".
+        snapshot: how the bank rows the backward reads (each entry's row at the start of its
+            chunk) are kept: "none" (exact), "bf16", "fp8", "int4". Nothing is kept when no
+            input requires grad (or grad mode is off).
         cu_seqlens: optional ``[N + 1]`` int32 or int64 offsets of N sequences packed into one
             batch (starting at 0, non-decreasing, ending at T), as in flash-attention and fla.
             The inputs are then ``[1, T, H, ...]``, sequence n is tokens
@@ -196,6 +204,15 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
                                   cu_seqlens)
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
+    if not _needs_grad(v, beta, write_w, read_w, bank, decay):
+        # Nothing to differentiate: run phase 2 in place on a copy of the bank and keep no
+        # snapshot (what inference and evaluation pay).
+        banks = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        bank_out = bank.expand(banks, *bank.shape[-3:]).clone(
+            memory_format=torch.contiguous_format)
+        out = ops.recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
+                                  scatter_w, row_decay, rank, X, QX, *tables)
+        return SDMOutput(out, bank_out)
     out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
                                        scatter_w, row_decay, rank, read_rank, X, QX, bank,
                                        snapshot, *tables)[:2]

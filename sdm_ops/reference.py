@@ -425,8 +425,9 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
     WY solve (X, QX: [B, H, N, C, C]).
 
     Returns (out [B, T, H, D], bank [B, H, S, D], snap, snap_scale, res [B, T, H, D], delta
-    [B, T, H, D]) where snap holds the pre-write bank rows of every write entry, [B, T, H, W, D]
-    (zeros for padding), quantized by :func:`quantize_rows`; res = v - retrieved and
+    [B, T, H, D]) where snap holds the chunk-start bank row of every write entry, then of every
+    read entry, [B, T, H, W + R, D] (zeros for padding), quantized by :func:`quantize_rows`:
+    every bank row the backward reads. res = v - retrieved and
     delta = X (beta res). out, res, delta and the bank are in the compute dtype.
     """
     cd = compute_dtype(v, bank, prep.gather_w)
@@ -455,7 +456,7 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         u = bs[c][..., None] * resid
         delta = Xs[:, n] @ u
         outs.append(inter + QXs[:, n] @ u)
-        snaps.append(wrows)
+        snaps.append(torch.cat([wrows, rrows], 2))
         resids.append(resid)
         deltas.append(delta)
         # Decay and write: the first entry on a slot also moves its row by (Gamma_C - 1) M_0.
@@ -471,8 +472,7 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         x = torch.stack(parts, 1).reshape(P * N, C, *shape)
         return from_streams(_unchunked(x, P, T), B, H)
 
-    W = write_idx.shape[-1]
-    rows = tokens(snaps, W, D)
+    rows = tokens(snaps, write_idx.shape[-1] + read_idx.shape[-1], D)
     snap, snap_scale = quantize_rows(rows.to(torch.float32) if snapshot != "none" else rows, snapshot)
     if snapshot == "none":
         snap = snap.to(bank.dtype if cd == torch.float32 else cd)
@@ -502,23 +502,23 @@ def sdm_chunked_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, d
     return out, M
 
 
-def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank_out,
+def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank_rows: int,
                              snap, snap_scale, snapshot: str, res, delta, dout, dbank_out):
     """Backward of :func:`recurrence_fwd_reference`, walking the chunks in reverse.
 
-    ``bank_out`` is the final bank; each chunk's written rows are restored from ``snap``
-    (dequantized) before its gathers are replayed, so the bank rows seen are the forward's up to
-    the snapshot's rounding. ``res = v - retrieved`` and ``delta`` are the forward's.
+    Every bank row it reads (the chunk-start row of each write and read entry) comes from
+    ``snap`` (dequantized), so the rows seen are the forward's up to the snapshot's rounding;
+    ``bank_rows`` is S. ``res = v - retrieved`` and ``delta`` are the forward's.
     Returns (dv, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D]).
     drow_decay is non-zero only on the first entry of each slot (the one the forward reads).
     """
-    cd = compute_dtype(v, bank_out, prep.gather_w)
+    cd = compute_dtype(v, X, prep.gather_w)
     B, T, H, D = v.shape
-    S = bank_out.shape[-2]
+    S = bank_rows
     P = B * H
     C = X.shape[-1]
-    M = bank_out.to(cd).reshape(P, S, D).clone()
-    dM = (torch.zeros_like(M) if dbank_out is None else dbank_out.to(cd).reshape(P, S, D).clone())
+    dM = (torch.zeros(P, S, D, dtype=cd, device=v.device) if dbank_out is None
+          else dbank_out.to(cd).reshape(P, S, D).clone())
     dout = torch.zeros(B, T, H, D, dtype=cd, device=v.device) if dout is None else dout.to(cd)
     rows = dequantize_rows(snap, snap_scale, snapshot).to(cd) if snapshot != "none" else snap.to(cd)
 
@@ -539,14 +539,8 @@ def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         c = torch.arange(P, device=v.device) * N + n
         sl, rsl, fr = slot[c], rslot[c], first[c]
         flat = sl.reshape(P, -1)
-        # Restore the rows this chunk wrote: M becomes the chunk's start state.
-        keep = fr.reshape(P, -1)
-        idx = torch.where(keep, flat, S)          # row S: a scratch row that is dropped
-        Mx = torch.cat([M, M.new_zeros(P, 1, D)], 1)
-        Mx = Mx.scatter(1, idx[..., None].expand(P, idx.shape[1], D), snaps[c].reshape(P, -1, D))
-        M = Mx[:, :S]
-        wrows = _gather_rows(M, flat).reshape(P, C, -1, D)
-        rrows = _gather_rows(M, rsl.reshape(P, -1)).reshape(P, C, -1, D)
+        W = sl.shape[-1]
+        wrows, rrows = snaps[c][:, :, :W], snaps[c][:, :, W:]
         dm1 = _gather_rows(dM, flat).reshape(P, C, -1, D)
         ddelta = (sw[c][..., None] * dm1).sum(2)
         parts["dsw"][n] = (dm1 * dl[c][:, :, None, :]).sum(-1)
@@ -776,7 +770,7 @@ def recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
     seqs = varlen_sequences(chunks, seq_chunks)
     cd = compute_dtype(v, bank, prep.gather_w)
     _, T, H, D = v.shape
-    W, S = write_idx.shape[-1], bank.shape[-2]
+    E, S = write_idx.shape[-1] + read_idx.shape[-1], bank.shape[-2]
     out, res, delta = (v.new_zeros(1, T, H, D, dtype=cd) for _ in range(3))
     bank_out = bank.to(cd).expand(len(seqs), H, S, D).clone()
     snap, snap_scale = None, None
@@ -789,18 +783,18 @@ def recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
         if snap is None:
             snap = r[2].new_zeros(1, T, *r[2].shape[2:])
             scaled = snapshot in ("fp8", "int4")
-            snap_scale = r[3].new_ones(1, T, H, W, D // QUANT_GROUP) if scaled else r[3]
+            snap_scale = r[3].new_ones(1, T, H, E, D // QUANT_GROUP) if scaled else r[3]
         out[:, tok], bank_out[n], snap[:, tok], res[:, tok], delta[:, tok] = r[0], r[1][0], r[2], r[4], r[5]
         if snap_scale.numel():
             snap_scale[:, tok] = r[3]
     return out, bank_out, snap, snap_scale, res, delta
 
 
-def recurrence_bwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank_out,
-                                    snap, snap_scale, snapshot: str, res, delta, dout, dbank_out,
-                                    chunks: Tensor, seq_chunks: Tensor):
+def recurrence_bwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX,
+                                    bank_rows: int, snap, snap_scale, snapshot: str, res, delta,
+                                    dout, dbank_out, chunks: Tensor, seq_chunks: Tensor):
     """:func:`recurrence_bwd_reference` of a packed batch (dbank [N, H, S, D])."""
-    cd = compute_dtype(v, bank_out, prep.gather_w)
+    cd = compute_dtype(v, X, prep.gather_w)
     _, T, H, D = v.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     dev = v.device
@@ -808,7 +802,8 @@ def recurrence_bwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
     dbeta = v.new_zeros(1, T, H, dtype=cd)
     dgw, dsw, drd = (v.new_zeros(1, T, H, W, dtype=cd) for _ in range(3))
     dgr, dQX = v.new_zeros(1, T, H, R, dtype=cd), torch.zeros_like(dX)
-    dbank = (torch.zeros(bank_out.shape, dtype=cd, device=dev) if dbank_out is None
+    banks = seq_chunks.shape[0] - 1
+    dbank = (torch.zeros(banks, H, bank_rows, D, dtype=cd, device=dev) if dbank_out is None
              else dbank_out.to(cd).clone())
     for n, (t0, n_tok, c0, nc) in enumerate(varlen_sequences(chunks, seq_chunks)):
         if n_tok == 0:      # the bank's gradient passes through
@@ -817,7 +812,7 @@ def recurrence_bwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
         sub = _token_slice(prep, tok)
         g = recurrence_bwd_reference(
             v[:, tok], beta[:, tok], write_idx[:, tok], read_idx[:, tok], sub, X[:, :, cs],
-            QX[:, :, cs], bank_out[n:n + 1], snap[:, tok],
+            QX[:, :, cs], bank_rows, snap[:, tok],
             snap_scale[:, tok] if snap_scale.numel() else snap_scale, snapshot, res[:, tok],
             delta[:, tok], None if dout is None else dout[:, tok],
             None if dbank_out is None else dbank_out[n:n + 1])

@@ -82,7 +82,6 @@ def make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, *, decay=True, shared=
     return args
 
 
-
 def make_packed_sdm_inputs(lengths, H=2, D=16, S=11, W=3, R=2, *, shared=False, seed=0,
                            device="cpu", **kw) -> dict:
     """Arguments of ``sparse_delta_memory`` for sequences of ``lengths`` packed into one

@@ -75,7 +75,7 @@ def test_gradients_match_float64_reference_with_padding_duplicates_and_zero_deca
 
 
 @requires_kernels
-def test_kernel_gradients_shared_bank_all_on_one_slot_and_no_decay():
+def test_kernel_gradients_shared_bank_all_on_one_slot_and_no_decay(phase2_tiles):
     a = make_sdm_inputs(T=20, S=2, W=4, R=3, D=32, shared=True, seed=23, zero_decay=0.4,
                         device=KERNEL_DEVICE)
     got, g_out, g_bank = _grads(a, kernels=True)
@@ -88,9 +88,9 @@ def test_kernel_gradients_shared_bank_all_on_one_slot_and_no_decay():
 
 @requires_kernels
 @pytest.mark.parametrize("mode,rtol", [("bf16", 2e-2), ("fp8", 1e-1), ("int4", 3e-1)])
-def test_quantized_snapshots_bound_the_gradient_error(mode, rtol):
+def test_quantized_snapshots_bound_the_gradient_error(mode, rtol, phase2_tiles):
     """v, beta and the bank get exact gradients whatever the snapshot (they do not use the
-    restored rows); the weights' and decays' gradients carry the snapshot's rounding."""
+    snapshot's rows); the weights' and decays' gradients carry the snapshot's rounding."""
     a = make_sdm_inputs(T=19, S=9, W=2, R=2, D=32, seed=25, device=KERNEL_DEVICE)
     got, g_out, g_bank = _grads(a, kernels=True, snapshot=mode)
     want = _oracle(a, g_out, g_bank)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from unittest import mock
 
 import pytest
 import torch
 
 import sdm_ops
+from sdm_ops.kernels import recurrence_fwd
 from tests.helpers import HAS_CUDA, KERNEL_DEVICE, make_sdm_inputs, on_kernels, requires_kernels
 
 triton = pytest.importorskip("triton")
@@ -110,19 +112,22 @@ def _launches():
     calls: list = []
     cases = [dict(T=20, W=3, R=2, D=16), dict(T=20, W=2, R=5, D=32, decay=False),
              dict(T=9, W=0, R=2, D=64), dict(T=40, W=8, R=8, D=16)]
+    tiles = [None] * len(cases) + [128]      # the last case: phase 2 over tiles of 2 tokens
+    cases.append(dict(T=20, W=3, R=2, D=16))
     with _recording(calls), on_kernels():
-        for i, case in enumerate(cases):
-            a = make_sdm_inputs(B=1, H=1, S=9, seed=i, device=KERNEL_DEVICE, **case)
-            for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
-                if name in a:
-                    a[name].requires_grad_()
-            for c, mode in ((16, "none"), (32, "fp8"), (16, "int4"), (16, "bf16")):
-                out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=c, snapshot=mode)
-                (out.sum() + bank.sum()).backward()
-            with torch.no_grad():
-                state = a["bank"].detach().clone()
-                rest = {k: v.detach() for k, v in a.items() if k != "bank"}
-                sdm_ops.sparse_delta_memory_(state, **rest)
+        for i, (case, tile) in enumerate(zip(cases, tiles)):
+            with mock.patch.object(recurrence_fwd, "_TILE", tile or recurrence_fwd._TILE):
+                a = make_sdm_inputs(B=1, H=1, S=9, seed=i, device=KERNEL_DEVICE, **case)
+                for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
+                    if name in a:
+                        a[name].requires_grad_()
+                for c, mode in ((16, "none"), (32, "fp8"), (16, "int4"), (16, "bf16")):
+                    out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=c, snapshot=mode)
+                    (out.sum() + bank.sum()).backward()
+                with torch.no_grad():
+                    state = a["bank"].detach().clone()
+                    rest = {k: v.detach() for k, v in a.items() if k != "bank"}
+                    sdm_ops.sparse_delta_memory_(state, **rest)
         for dtype in (torch.float32, torch.bfloat16):
             raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
             sdm_ops.product_key_topk(raw, (4, 5, 3), 7).val.sum().backward()
@@ -181,8 +186,7 @@ _OUTPUTS = {
     "_chunk_sort_bwd_kernel": {"d_write_w", "d_decay", "d_read_w", "shared_count", "compact"},
     "_chunk_pairs_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
     "_recurrence_fwd_kernel": {"bank", "out", "res", "delta", "scratch", "snap", "snap_scale"},
-    "_recurrence_bwd_kernel": {"bank", "dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw",
-                               "p_rd"},
+    "_recurrence_bwd_kernel": {"dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw", "p_rd"},
     "_dual_matmul_bwd_kernel": {"dX", "dQX", "dbeta"},
     "_fwd_diag_kernel": {"X"},
     "_fwd_panel_kernel": {"X", "QX"},

@@ -70,17 +70,19 @@ def dense_product_scores(raw: torch.Tensor, factors) -> torch.Tensor:
 
 
 def chunk_start_rows(args: dict, chunk_size: int) -> torch.Tensor:
-    """[B, T, H, W, D] float64: the bank row of each write entry as it was at the start of the
-    entry's chunk (the token recurrence run up to there), zero for padding."""
+    """[B, T, H, W + R, D] float64: the bank row of each write entry, then of each read entry,
+    as it was at the start of the entry's chunk (the token recurrence run up to there), zero
+    for padding."""
     a = to_float64(args)
     B, T, H, D = a["v"].shape
-    W = a["write_idx"].shape[-1]
+    E = a["write_idx"].shape[-1] + a["read_idx"].shape[-1]
     S = a["bank"].shape[-2]
-    rows = torch.zeros(B, T, H, W, D, dtype=torch.float64)
+    rows = torch.zeros(B, T, H, E, D, dtype=torch.float64)
     for t0 in range(0, T, chunk_size):
         head = {k: (v if k == "bank" else v[:, :t0]) for k, v in a.items()}
         _, M = sdm_token_reference(**head)                       # [B, H, S, D]
-        idx = a["write_idx"][:, t0:t0 + chunk_size].transpose(1, 2)   # [B, H, c, W]
+        idx = torch.cat([a["write_idx"], a["read_idx"]], -1)[:, t0:t0 + chunk_size]
+        idx = idx.transpose(1, 2)                                # [B, H, c, E]
         got = torch.gather(M, 2, idx.clamp(0, S - 1).reshape(B, H, -1, 1).expand(-1, -1, -1, D))
         got = got.reshape(*idx.shape, D).transpose(1, 2)
         rows[:, t0:t0 + chunk_size] = torch.where((idx.transpose(1, 2) >= 0)[..., None], got, 0)
@@ -426,7 +428,7 @@ def backward_operands(device, snapshot="none", packed=False) -> dict:
             for n, src in (("dA", "A"), ("dQK", "QK"), ("d_gather_w", "gather_w"),
                            ("d_gather_r", "gather_r"), ("d_scatter_w", "scatter_w"),
                            ("d_row_decay", "row_decay"))}
-    return dict(values, **grad, bank_out=bank_out, snap=snap, snap_scale=snap_scale, res=res,
+    return dict(values, **grad, snap=snap, snap_scale=snap_scale, res=res,
                 delta=delta, snapshot=snapshot, v_dtype=values["v"].dtype,
                 dout=torch.randn(out.shape, generator=g).to(device),
                 dbank_out=torch.randn(bank_out.shape, generator=g).to(device))

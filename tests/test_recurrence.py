@@ -33,12 +33,19 @@ def _inputs(**kw):
 
 @pytest.mark.parametrize("chunk_size", [16, 32])
 @pytest.mark.parametrize("decay", [True, False])
-def test_kernels_match_float64_reference_with_padding_duplicates_and_partial_chunks(chunk_size, decay):
+def test_kernels_match_float64_reference_with_padding_duplicates_and_partial_chunks(
+        chunk_size, decay, phase2_tiles):
+    """Both forward paths: without autograd (phase 2 in place on a copy of the bank, no
+    snapshot) and with it (the functional operator, which keeps a snapshot)."""
     a = _inputs(T=37, decay=decay, seed=chunk_size + decay)
-    out, bank = _run(a, chunk_size=chunk_size)
     out_r, bank_r = _oracle(a)
-    assert_close(out, out_r, rtol=1e-5, name="out")
-    assert_close(bank, bank_r, rtol=1e-5, name="bank")
+    for grad in (False, True):
+        b = dict(a, v=a["v"].clone().requires_grad_(grad))
+        with on_kernels():
+            out, bank = sdm_ops.sparse_delta_memory(**b, chunk_size=chunk_size)
+        assert out.requires_grad == grad
+        assert_close(out, out_r, rtol=1e-5, name=f"out (grad {grad})")
+        assert_close(bank, bank_r, rtol=1e-5, name=f"bank (grad {grad})")
 
 
 def test_kernels_match_reference_shared_bank_int32_indices_and_wide_rows():

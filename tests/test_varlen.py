@@ -118,7 +118,7 @@ def test_cpu_path_equals_each_sequence_alone_forward_and_backward(decay):
 
 @requires_kernels
 @pytest.mark.parametrize("chunk_size,decay", [(16, True), (32, False)])
-def test_kernels_equal_each_sequence_alone_forward_and_backward(chunk_size, decay):
+def test_kernels_equal_each_sequence_alone_forward_and_backward(chunk_size, decay, phase2_tiles):
     a = packed_inputs(LENGTHS, device=KERNEL_DEVICE, seed=2 + chunk_size, decay=decay)
     check_against_oracle(a, chunk_size, 1e-5)
 

@@ -57,3 +57,11 @@ def token_entries(idx, w, row, tok_ok, E: tl.constexpr, EP: tl.constexpr, S,
     ok = exists & (s >= 0) & (s < S)
     ww = tl.where(ok, tl.load(w + row * E + o, mask=ok, other=0.0).to(tl.float32), 0.0)
     return tl.where(ok, s, NOMATCH), ww, ok
+
+
+@triton.jit
+def snapshot_entries(tok, E0: tl.constexpr, E: tl.constexpr, EP: tl.constexpr):
+    """Flat snapshot entries [len(tok), EP] (int64) of the entries E0, E0 + 1, ... of each token
+    of ``tok``, in a snapshot holding E entries per token (the write entries, then the read
+    entries)."""
+    return tok[:, None] * E + E0 + tl.arange(0, EP)[None, :]

@@ -1,7 +1,8 @@
-"""Backward of phase 2: the chunks of every stream in reverse, restoring the bank as it goes.
+"""Backward of phase 2: the chunks of every stream in reverse, from the forward's snapshot.
 
-For chunk n, with dM the bank gradient at the chunk's end and M the bank restored to the
-chunk's start (its written rows put back from the forward's snapshot):
+For chunk n, with dM the bank gradient at the chunk's end and M the bank at the chunk's start
+(its rows read from the forward's snapshot, which holds the chunk-start row of every write
+and read entry: the backward never touches the bank itself):
 
     ddelta_j = sum_{b in j} scatter_w[b] dM[s_b]
     du = X^T ddelta + QX^T dout                   dv = beta du        dret = -beta du
@@ -12,15 +13,17 @@ chunk's start (its written rows put back from the forward's snapshot):
 
 A program owns one stream and BD = 16 columns (grid (B * H, D // 16), like the forward), so
 the per-entry dot products come out as one partial per 16 columns, [..., D // 16], summed in
-a fixed order afterwards. dM is updated in passes by the entries' rank within their slot
+a fixed order afterwards. As in the forward, a chunk whose entries fit one tile (TB = C) is
+one pass through registers (ddelta, du and dout stay there between the dots and the dM
+updates); otherwise it goes in steps over tiles of TB tokens with barriers between them. dM is updated in passes by the entries' rank within their slot
 (write entries, then read entries), separated by barriers: one writer per row at a time, in
 entry order, so the result is bitwise deterministic. ``_dual_matmul_bwd_kernel`` then forms
 dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per chunk over all D columns.
 
 Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (written);
 dv [B, T, H, D] (v's dtype); partials [B, T, H, W or R, D // 16] float32; dbank [B, H, S, D]
-float32 holding the gradient of the final bank on entry and of the initial bank on exit;
-bank [B, H, S, D] holding the final bank on entry and the (restored) initial bank on exit.
+float32 holding the gradient of the final bank on entry and of the initial bank on exit.
+8 warps (the dual-matmul kernel 4), pinned.
 Indices outside [0, S) are masked exactly as in the forward. A packed batch walks each
 sequence's chunk slots in reverse, as the forward walks them (see ``recurrence_fwd``).
 """
@@ -32,12 +35,13 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 from .chunk_prepare import chunk_grid
 from .recurrence_fwd import BLOCK_D, SNAP_CODES, recurrence_fwd_geometry
 
 _ROWS = 32
-_NUM_WARPS = 4
+_NUM_WARPS = 8
+_DUAL_WARPS = 4
 _DUAL_BLOCK_D = 32
 
 
@@ -73,7 +77,7 @@ def _load_snapshot(snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.
 @triton.jit
 def _recurrence_bwd_kernel(
     beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-    X, QX, bank, snap, snap_scale, delta, dout, chunks, seq_chunks,
+    X, QX, snap, snap_scale, delta, dout, chunks, seq_chunks,
     dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
     T, H, S, NC,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
@@ -86,9 +90,7 @@ def _recurrence_bwd_kernel(
     h = p % H
     NB: tl.constexpr = D // BD
     pid_c = tl.program_id(1)
-    stream = p.to(tl.int64) * S * D
-    bank_p = bank + stream
-    dbank_p = dbank + stream
+    dbank_p = dbank + p.to(tl.int64) * S * D
     if VARLEN:      # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
         lo = tl.load(seq_chunks + p // H).to(tl.int32)
         hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
@@ -104,124 +106,181 @@ def _recurrence_bwd_kernel(
             count = tl.load(chunks + 2 * n + 1).to(tl.int32)
         else:
             tok0, count = dense_chunk(n, p, T, H, C)
-        npass = 1
-        rpass = 0
-        # (a) Restore the rows the chunk wrote.
-        for tb in range(0, C, TB):
-            ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(tok0, h, H, count, ii)
-            went, wm = entry_offsets(tok, tok_ok, W, WP)
-            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-            rk = tl.load(rank + went, mask=ok, other=-1)
-            npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
-            first = ok & (rk == 0)
-            rows = _load_snapshot(snap, snap_scale, went, first, c0, cols, D, BD, MODE)
-            tl.store(bank_p + s[:, :, None] * D + cols[None, None, :],
-                     rows.to(bank.dtype.element_ty), mask=first[:, :, None])
-        tl.debug_barrier()
-        # (b) ddelta, dscatter_w, drow_decay from dM at the chunk's end.
-        for tb in range(0, C, TB):
-            ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(tok0, h, H, count, ii)
-            went, wm = entry_offsets(tok, tok_ok, W, WP)
-            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-            rk = tl.load(rank + went, mask=ok, other=-1)
-            sw = tl.load(scatter_w + went, mask=ok, other=0.0)
-            dm1 = tl.load(dbank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0)
-            m0 = tl.load(bank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None],
-                         other=0.0).to(tl.float32)
-            dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
-            tl.store(ddelta + tok[:, None] * D + cols[None, :], tl.sum(sw[:, :, None] * dm1, 1),
-                     mask=tok_ok[:, None])
-            tl.store(p_sw + went * NB + pid_c, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
-            tl.store(p_rd + went * NB + pid_c,
-                     tl.where(ok & (rk == 0), tl.sum(dm1 * m0, 2), 0.0), mask=wm)
-        tl.debug_barrier()
-        # (c) du = X^T ddelta + QX^T dout.
-        ci = tl.arange(0, C)
-        tok_c, ok_c = token_rows(tok0, h, H, count, ci)
-        ok_c = ok_c[:, None]
-        dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)
-        if HAS_DOUT:
-            do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0).to(tl.float32)
         x_base = (tiles + n) * C * C
-        for rb in range(0, C, RB):
-            ri = rb + tl.arange(0, RB)
-            xo = x_base + ci[None, :] * C + ri[:, None]             # rows ri of X^T
-            acc = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
-            if HAS_DOUT:
-                acc = tl.dot(tl.load(QX + xo), do, acc, input_precision="ieee")
-            tok_r, ok_r = token_rows(tok0, h, H, count, ri)
-            tl.store(du + tok_r[:, None] * D + cols[None, :], acc, mask=ok_r[:, None])
-        tl.debug_barrier()
-        # (d) dv, dgather_w, dgather_r; dM at the written rows (rank 0).
-        for tb in range(0, C, TB):
-            ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(tok0, h, H, count, ii)
+        if TB == C:
+            # The whole chunk as one tile: ddelta and du stay in registers between the dots.
+            ci = tl.arange(0, C)
+            tok, tok_ok = token_rows(tok0, h, H, count, ci)
             went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
             rk = tl.load(rank + went, mask=ok, other=-1)
+            first = ok & (rk == 0)
+            sw = tl.load(scatter_w + went, mask=ok, other=0.0)
+            dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
+            dm1 = tl.load(dptr, mask=ok[:, :, None], other=0.0)
+            m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok, c0,
+                                cols, D, BD, MODE)
+            dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                         other=0.0)
+            dd = tl.sum(sw[:, :, None] * dm1, 1)
+            tl.store(ddelta + tok[:, None] * D + cols[None, :], dd, mask=tok_ok[:, None])
+            tl.store(p_sw + went * NB + pid_c, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
+            tl.store(p_rd + went * NB + pid_c, tl.where(first, tl.sum(dm1 * m0, 2), 0.0),
+                     mask=wm)
+            xo = x_base + ci[None, :] * C + ci[:, None]             # X^T
+            duu = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
+            if HAS_DOUT:
+                do = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                             other=0.0).to(tl.float32)
+                duu = tl.dot(tl.load(QX + xo), do, duu, input_precision="ieee")
+            else:
+                do = tl.zeros((C, BD), tl.float32)
+            tl.store(du + tok[:, None] * D + cols[None, :], duu, mask=tok_ok[:, None])
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
-            duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
-            tl.store(dv + tok[:, None] * D + cols[None, :], (bb[:, None] * duu).to(dv.dtype.element_ty),
-                     mask=tok_ok[:, None])
+            tl.store(dv + tok[:, None] * D + cols[None, :],
+                     (bb[:, None] * duu).to(dv.dtype.element_ty), mask=tok_ok[:, None])
             dret = -bb[:, None] * duu
-            ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
-            m0 = tl.load(ptr, mask=ok[:, :, None], other=0.0).to(tl.float32)
             tl.store(p_gw + went * NB + pid_c, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-            rrk = tl.load(read_rank + rent, mask=qok, other=0)
-            rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
-            qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :], mask=qok[:, :, None],
-                            other=0.0).to(tl.float32)
-            if HAS_DOUT:
-                doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                              other=0.0).to(tl.float32)
-                tl.store(p_gr + rent * NB + pid_c, tl.sum(doo[:, None, :] * qrows, 2), mask=rm)
-            else:
-                tl.store(p_gr + rent * NB + pid_c, tl.zeros((TB, RP), tl.float32), mask=rm)
-            first = ok & (rk == 0)
+            rrk = tl.load(read_rank + rent, mask=qok, other=-1)
+            qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok, c0,
+                                   cols, D, BD, MODE)
+            tl.store(p_gr + rent * NB + pid_c, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
             gw = tl.load(gather_w + went, mask=ok, other=0.0)
             rd = tl.load(row_decay + went, mask=first, other=1.0)
-            dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
-            dm1 = tl.load(dptr, mask=first[:, :, None], other=0.0)
-            tl.store(dptr, rd[:, :, None] * dm1 + gw[:, :, None] * dret[:, None, :],
-                     mask=first[:, :, None])
-        tl.debug_barrier()
-        # (e) The other write entries of each slot, then the read entries, pass by pass.
-        for k in range(1, npass + rpass):
+            gterm = gw[:, :, None] * dret[:, None, :]
+            npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
+            tl.debug_barrier()          # every load of dM at the chunk's end precedes a store
+            tl.store(dptr, rd[:, :, None] * dm1 + gterm, mask=first[:, :, None])
+            for k in range(1, npass):
+                tl.debug_barrier()
+                mine = ok & (rk == k)
+                cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
+                tl.store(dptr, cur + gterm, mask=mine[:, :, None])
+            if HAS_DOUT:
+                rpass = tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0)
+                rterm = tl.load(gather_r + rent, mask=qok, other=0.0)[:, :, None] * do[:, None, :]
+                rptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
+                for k in range(0, rpass):
+                    tl.debug_barrier()
+                    r_mine = qok & (rrk == k)
+                    r_cur = tl.load(rptr, mask=r_mine[:, :, None], other=0.0)
+                    tl.store(rptr, r_cur + rterm, mask=r_mine[:, :, None])
+            tl.debug_barrier()
+        else:
+            npass = 1
+            rpass = 0
+            # (b) ddelta, dscatter_w, drow_decay from dM at the chunk's end.
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
                 tok, tok_ok = token_rows(tok0, h, H, count, ii)
-                bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
-                if k < npass:
-                    went, wm = entry_offsets(tok, tok_ok, W, WP)
-                    s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-                    rk = tl.load(rank + went, mask=ok, other=-1)
-                    mine = ok & (rk == k)
-                    gw = tl.load(gather_w + went, mask=mine, other=0.0)
-                    duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
-                    dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
-                    cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
-                    tl.store(dptr, cur - gw[:, :, None] * (bb[:, None] * duu)[:, None, :],
-                             mask=mine[:, :, None])
-                else:
-                    # Read entries: names differ from the branch above (tiles of another shape).
-                    if HAS_DOUT:
-                        r_ent, r_m = entry_offsets(tok, tok_ok, R, RP)
-                        r_raw = tl.load(read_idx + r_ent, mask=r_m, other=-1)
-                        r_s, r_ok = bank_slots(r_raw, r_m, S)
-                        r_rk = tl.load(read_rank + r_ent, mask=r_ok, other=-1)
-                        r_mine = r_ok & (r_rk == k - npass)
-                        r_g = tl.load(gather_r + r_ent, mask=r_mine, other=0.0)
-                        r_do = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                                       other=0.0).to(tl.float32)
-                        r_ptr = dbank_p + r_s[:, :, None] * D + cols[None, None, :]
-                        r_cur = tl.load(r_ptr, mask=r_mine[:, :, None], other=0.0)
-                        tl.store(r_ptr, r_cur + r_g[:, :, None] * r_do[:, None, :],
-                                 mask=r_mine[:, :, None])
+                went, wm = entry_offsets(tok, tok_ok, W, WP)
+                s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
+                rk = tl.load(rank + went, mask=ok, other=-1)
+                npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
+                sw = tl.load(scatter_w + went, mask=ok, other=0.0)
+                dm1 = tl.load(dbank_p + s[:, :, None] * D + cols[None, None, :],
+                              mask=ok[:, :, None], other=0.0)
+                m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok,
+                                    c0, cols, D, BD, MODE)
+                dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                             other=0.0)
+                tl.store(ddelta + tok[:, None] * D + cols[None, :],
+                         tl.sum(sw[:, :, None] * dm1, 1), mask=tok_ok[:, None])
+                tl.store(p_sw + went * NB + pid_c, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
+                tl.store(p_rd + went * NB + pid_c,
+                         tl.where(ok & (rk == 0), tl.sum(dm1 * m0, 2), 0.0), mask=wm)
             tl.debug_barrier()
+            # (c) du = X^T ddelta + QX^T dout.
+            ci = tl.arange(0, C)
+            tok_c, ok_c = token_rows(tok0, h, H, count, ci)
+            ok_c = ok_c[:, None]
+            dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)
+            if HAS_DOUT:
+                do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c,
+                             other=0.0).to(tl.float32)
+            for rb in range(0, C, RB):
+                ri = rb + tl.arange(0, RB)
+                xo = x_base + ci[None, :] * C + ri[:, None]             # rows ri of X^T
+                acc = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
+                if HAS_DOUT:
+                    acc = tl.dot(tl.load(QX + xo), do, acc, input_precision="ieee")
+                tok_r, ok_r = token_rows(tok0, h, H, count, ri)
+                tl.store(du + tok_r[:, None] * D + cols[None, :], acc, mask=ok_r[:, None])
+            tl.debug_barrier()
+            # (d) dv, dgather_w, dgather_r; dM at the written rows (rank 0).
+            for tb in range(0, C, TB):
+                ii = tb + tl.arange(0, TB)
+                tok, tok_ok = token_rows(tok0, h, H, count, ii)
+                went, wm = entry_offsets(tok, tok_ok, W, WP)
+                s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
+                rk = tl.load(rank + went, mask=ok, other=-1)
+                bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+                duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                              other=0.0)
+                tl.store(dv + tok[:, None] * D + cols[None, :],
+                         (bb[:, None] * duu).to(dv.dtype.element_ty), mask=tok_ok[:, None])
+                dret = -bb[:, None] * duu
+                m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok,
+                                    c0, cols, D, BD, MODE)
+                tl.store(p_gw + went * NB + pid_c, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
+                rent, rm = entry_offsets(tok, tok_ok, R, RP)
+                q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
+                rrk = tl.load(read_rank + rent, mask=qok, other=0)
+                rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
+                if HAS_DOUT:
+                    qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP),
+                                           qok, c0, cols, D, BD, MODE)
+                    doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                                  other=0.0).to(tl.float32)
+                    tl.store(p_gr + rent * NB + pid_c, tl.sum(doo[:, None, :] * qrows, 2),
+                             mask=rm)
+                else:
+                    tl.store(p_gr + rent * NB + pid_c, tl.zeros((TB, RP), tl.float32), mask=rm)
+                first = ok & (rk == 0)
+                gw = tl.load(gather_w + went, mask=ok, other=0.0)
+                rd = tl.load(row_decay + went, mask=first, other=1.0)
+                dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
+                dm1 = tl.load(dptr, mask=first[:, :, None], other=0.0)
+                tl.store(dptr, rd[:, :, None] * dm1 + gw[:, :, None] * dret[:, None, :],
+                         mask=first[:, :, None])
+            tl.debug_barrier()
+            # (e) The other write entries of each slot, then the read entries, pass by pass.
+            for k in range(1, npass + rpass):
+                for tb in range(0, C, TB):
+                    ii = tb + tl.arange(0, TB)
+                    tok, tok_ok = token_rows(tok0, h, H, count, ii)
+                    bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+                    if k < npass:
+                        went, wm = entry_offsets(tok, tok_ok, W, WP)
+                        s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
+                        rk = tl.load(rank + went, mask=ok, other=-1)
+                        mine = ok & (rk == k)
+                        gw = tl.load(gather_w + went, mask=mine, other=0.0)
+                        duu = tl.load(du + tok[:, None] * D + cols[None, :],
+                                      mask=tok_ok[:, None], other=0.0)
+                        dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
+                        cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
+                        tl.store(dptr, cur - gw[:, :, None] * (bb[:, None] * duu)[:, None, :],
+                                 mask=mine[:, :, None])
+                    else:
+                        # Read entries: names differ from the branch above (tiles of another
+                        # shape).
+                        if HAS_DOUT:
+                            r_ent, r_m = entry_offsets(tok, tok_ok, R, RP)
+                            r_raw = tl.load(read_idx + r_ent, mask=r_m, other=-1)
+                            r_s, r_ok = bank_slots(r_raw, r_m, S)
+                            r_rk = tl.load(read_rank + r_ent, mask=r_ok, other=-1)
+                            r_mine = r_ok & (r_rk == k - npass)
+                            r_g = tl.load(gather_r + r_ent, mask=r_mine, other=0.0)
+                            r_do = tl.load(dout + tok[:, None] * D + cols[None, :],
+                                           mask=tok_ok[:, None], other=0.0).to(tl.float32)
+                            r_ptr = dbank_p + r_s[:, :, None] * D + cols[None, None, :]
+                            r_cur = tl.load(r_ptr, mask=r_mine[:, :, None], other=0.0)
+                            tl.store(r_ptr, r_cur + r_g[:, :, None] * r_do[:, None, :],
+                                     mask=r_mine[:, :, None])
+                tl.debug_barrier()
 
 
 @triton.jit
@@ -264,17 +323,17 @@ def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, chunks, dX, dQX, dbeta,
 
 def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
                    read_rank, X, QX, res, delta, snap, snap_scale, snapshot: str, dout,
-                   bank, dbank, dv, dX, dQX, dbeta, chunks=None, seq_chunks=None):
-    """Launch the phase-2 backward. ``bank`` (final bank, restored in place) and ``dbank``
-    (gradient of the final bank, turned into that of the initial bank) are work buffers; dv,
+                   dbank, dv, dX, dQX, dbeta, chunks=None, seq_chunks=None):
+    """Launch the phase-2 backward. ``dbank`` (the gradient of the final bank, turned into that
+    of the initial bank) is a work buffer; dv,
     dX, dQX and dbeta are written whole. ``dout`` may be None (no gradient of ``out``).
     Returns the per-entry gradients (d_gather_w, d_gather_r, d_scatter_w, d_row_decay)."""
     B, T, H, D = res.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
-    S = bank.shape[-2]
+    S = dbank.shape[-2]
     N, P = chunk_grid(B, T, H, C, chunks)
-    streams = bank.shape[0] * H         # B * H, or N * H for a packed batch
+    streams = dbank.shape[0] * H        # B * H, or N * H for a packed batch
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     nb = D // BLOCK_D
     f32 = dict(dtype=torch.float32, device=res.device)
@@ -289,7 +348,7 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     if streams * T:
         wrap_triton(_recurrence_bwd_kernel)[(streams, nb)](
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, bank, snap, snap_scale if snap_scale.numel() else gather_w, delta,
+            X, QX, snap, snap_scale if snap_scale.numel() else gather_w, delta,
             dout if has_dout else delta, chunks if varlen else rank, seq_chunks if varlen else rank,
             dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
             T, H, S, N,
@@ -300,5 +359,5 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
             beta, res, ddelta, du, dout if has_dout else du, chunks if varlen else rank,
             dX, dQX, dbeta, T, H,
             D=D, C=C, BK=min(D, _DUAL_BLOCK_D), HAS_DOUT=has_dout, VARLEN=varlen,
-            num_warps=_NUM_WARPS)
+            num_warps=_DUAL_WARPS)
     return p_gw.sum(-1), p_gr.sum(-1), p_sw.sum(-1), p_rd.sum(-1)

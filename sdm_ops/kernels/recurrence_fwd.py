@@ -9,28 +9,33 @@ with start state M (the bank, updated in place):
 
 The bank's D columns are independent, so a program owns one stream and BD = 16 columns and
 walks every chunk of the stream in order: the number of launches does not grow with T.
-Per chunk it (1) gathers the write and read rows of TB tokens at a time, stores the pre-write
-rows as the snapshot, res = v - retrieved, and inter (to a per-program scratch); (2) after a barrier, computes
-delta and out with full-float32 dots (X rows in blocks of 32); (3) after a barrier, writes:
-the first entry on each slot (rank 0) stores row_decay * M0 + its term, then entries of rank
-1, 2, ... add their terms in passes separated by barriers, so every bank row has one writer at
-a time and the sum runs in entry order: bitwise deterministic.
+When a chunk's entries fit one tile (TB = C: C * max(W, R) * 16 <= ``_TILE`` after rounding W
+and R up to powers of two; W = R = 8 at C = 64), a chunk is one pass through registers: gather
+the write and read rows (and store them as the snapshot), u = beta (v - retrieved), delta = X u
+and out = inter + QX u by full-float32 dots, then, after a barrier, write. Otherwise the chunk
+goes in three steps over tiles of TB tokens, with barriers between them: (1) gathers, storing
+res = v - retrieved and inter (to a per-program scratch); (2) the dots, storing delta; (3) the
+writes. Writes go in passes over the entries' rank within their slot: the first entry on each
+slot (rank 0) stores row_decay * M0 + its term, then entries of rank 1, 2, ... add their terms
+in passes separated by barriers, so every bank row has one writer at a time and the sum runs
+in entry order: bitwise deterministic (for a given tile geometry and warp count, pinned here).
 
 Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
 X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; res, delta [B, T, H, D]
-float32; scratch [B * H, C, D] float32; snapshot rows [B, T, H, W, D] (none: bank dtype,
-bf16: bfloat16, fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, W, D / 2] uint8
-(int4), with scales
-[B, T, H, W, D / 16] float32 for fp8 and int4 (one per 16 columns, see
-``reference.quantize_rows``). Indices outside [0, S) are masked: they read and write nothing.
-Bank offsets are 64-bit.
+float32 (written only with a snapshot, or as scratch by the three-step path); scratch
+[B * H, C, D] float32. The snapshot holds the chunk-start row of every entry, write entries then
+read entries (E = W + R per token): rows [B, T, H, E, D] (none: bank dtype, bf16: bfloat16,
+fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, E, D / 2] uint8 (int4), with scales
+[B, T, H, E, D / 16] float32 for fp8 and int4 (one per 16 columns, see
+``reference.quantize_rows``); the backward reads every bank row it needs from it. Indices
+outside [0, S) are masked: they read and write nothing. Bank offsets are 64-bit.
 
 A packed batch (``cu_seqlens``; B = 1): a program owns sequence n = p // H of head h and walks
 its chunk slots seq_chunks[n] : seq_chunks[n + 1], each slot's tokens read from the table
 ``chunks`` (see ``chunk_prepare``); X, QX are [1, H, NC, C, C] and the bank [N, H, S, D].
 
-Grid: (B * H, D // 16), or (N * H, D // 16) for a packed batch; 4 warps, pinned.
+Grid: (B * H, D // 16), or (N * H, D // 16) for a packed batch; 8 warps, pinned.
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 
 BLOCK_D = 16          # columns per program; also the snapshot quantization group
 _ROWS = 32            # rows of X per dot in step 2
-_NUM_WARPS = 4
-_TILE = 2048          # entries x columns gathered at once
+_NUM_WARPS = 8
+_TILE = 8192          # entries x columns gathered at once
 SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
 SNAP_CODES = {"none": SNAP_NONE, "bf16": SNAP_BF16, "fp8": SNAP_FP8, "int4": SNAP_INT4}
 
@@ -102,6 +107,15 @@ def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
 
 
 @triton.jit
+def _gather(bank_p, s, ok, w, cols, D: tl.constexpr):
+    """Rows [TB, EP, BD] of slots ``s`` (float32, zero where not ``ok``) and their sums
+    weighted by ``w`` over the entries, [TB, BD]."""
+    rows = tl.load(bank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None],
+                   other=0.0).to(tl.float32)
+    return rows, tl.sum(w[:, :, None] * rows, 1)
+
+
+@triton.jit
 def _recurrence_fwd_kernel(
     v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
     X, QX, bank, out, res, delta, scratch, snap, snap_scale, chunks, seq_chunks,
@@ -130,71 +144,121 @@ def _recurrence_fwd_kernel(
             count = tl.load(chunks + 2 * n + 1).to(tl.int32)
         else:
             tok0, count = dense_chunk(n, p, T, H, C)
-        npass = 1
-        # (1) Gathers: retrieved, inter, res = v - retrieved, snapshot.
-        for tb in range(0, C, TB):
-            ii = tb + tl.arange(0, TB)
-            tok, tok_ok = token_rows(tok0, h, H, count, ii)                   # [TB]
-            went, wm = entry_offsets(tok, tok_ok, W, WP)  # [TB, WP]
+        x_base = (tiles + n) * C * C
+        if TB == C:
+            # The whole chunk as one tile: gathered rows, u and delta stay in registers from
+            # the gathers to the writes.
+            ci = tl.arange(0, C)
+            tok, tok_ok = token_rows(tok0, h, H, count, ci)
+            went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-            g = tl.load(gather_w + went, mask=ok, other=0.0)
-            rk = tl.load(rank + went, mask=ok, other=0)
-            npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
-            rows = tl.load(bank_p + s[:, :, None] * D + cols[None, None, :],
-                           mask=ok[:, :, None], other=0.0).to(tl.float32)
-            retrieved = tl.sum(g[:, :, None] * rows, 1)                    # [TB, BD]
-            if SNAPSHOT:
-                _store_snapshot(snap, snap_scale, went, rows, wm, c0, cols, D, BD, MODE)
+            rk = tl.load(rank + went, mask=ok, other=-1)
+            rows, retrieved = _gather(bank_p, s, ok, tl.load(gather_w + went, mask=ok, other=0.0),
+                                      cols, D)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-            gq = tl.load(gather_r + rent, mask=qok, other=0.0)
-            qrows = tl.load(bank_p + q[:, :, None] * D + cols[None, None, :],
-                            mask=qok[:, :, None], other=0.0).to(tl.float32)
-            inter = tl.sum(gq[:, :, None] * qrows, 1)
+            qrows, inter = _gather(bank_p, q, qok, tl.load(gather_r + rent, mask=qok, other=0.0),
+                                   cols, D)
             vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                          other=0.0).to(tl.float32)
-            tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None])
-            tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
-        tl.debug_barrier()
-        # (2) Dual matmul: delta = X u, out = inter + QX u.
-        ci = tl.arange(0, C)
-        tok_c, ok_c = token_rows(tok0, h, H, count, ci)
-        bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
-        uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :], mask=ok_c[:, None],
-                                   other=0.0)
-        x_base = (tiles + n) * C * C
-        for rb in range(0, C, RB):
-            ri = rb + tl.arange(0, RB)
-            xo = x_base + ri[:, None] * C + ci[None, :]
+            bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+            if SNAPSHOT:
+                _store_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows, wm,
+                                c0, cols, D, BD, MODE)
+                _store_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qrows, rm,
+                                c0, cols, D, BD, MODE)
+                tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
+                         mask=tok_ok[:, None])
+            uu = bb[:, None] * (vv - retrieved)
+            xo = x_base + ci[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
-            qx = tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
-            tok_r, ok_r = token_rows(tok0, h, H, count, ri)
-            ok_r = ok_r[:, None]
-            o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
-            tl.store(delta + tok_r[:, None] * D + cols[None, :], dl, mask=ok_r)
-            tl.store(out + tok_r[:, None] * D + cols[None, :], o.to(out.dtype.element_ty), mask=ok_r)
-        tl.debug_barrier()
-        # (3) Decay and write, pass by pass over the entries' rank within their slot.
-        for k in range(0, npass):
+            o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
+            tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
+                     mask=tok_ok[:, None])
+            if SNAPSHOT:
+                tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
+            sw = tl.load(scatter_w + went, mask=ok, other=0.0)
+            term = sw[:, :, None] * dl[:, None, :]
+            ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
+            first = ok & (rk == 0)
+            rd = tl.load(row_decay + went, mask=first, other=1.0)
+            npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
+            tl.debug_barrier()          # every gather of the chunk precedes its first write
+            tl.store(ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty),
+                     mask=first[:, :, None])
+            for k in range(1, npass):
+                tl.debug_barrier()
+                mine = ok & (rk == k)
+                cur = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
+                tl.store(ptr, (cur + term).to(bank.dtype.element_ty), mask=mine[:, :, None])
+            tl.debug_barrier()
+        else:
+            npass = 1
+            # (1) Gathers: retrieved, inter, res = v - retrieved, snapshot.
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
-                tok, tok_ok = token_rows(tok0, h, H, count, ii)
-                went, wm = entry_offsets(tok, tok_ok, W, WP)
+                tok, tok_ok = token_rows(tok0, h, H, count, ii)                   # [TB]
+                went, wm = entry_offsets(tok, tok_ok, W, WP)  # [TB, WP]
                 s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-                rk = tl.load(rank + went, mask=ok, other=-1)
-                mine = ok & (rk == k)
-                sw = tl.load(scatter_w + went, mask=mine, other=0.0)
-                dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
-                ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
-                rows = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
-                term = sw[:, :, None] * dl[:, None, :]
-                if k == 0:
-                    rd = tl.load(row_decay + went, mask=mine, other=1.0)
-                    new = rd[:, :, None] * rows + term
-                else:
-                    new = rows + term
-                tl.store(ptr, new.to(bank.dtype.element_ty), mask=mine[:, :, None])
+                rk = tl.load(rank + went, mask=ok, other=0)
+                npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
+                rows, retrieved = _gather(bank_p, s, ok,
+                                          tl.load(gather_w + went, mask=ok, other=0.0), cols, D)
+                rent, rm = entry_offsets(tok, tok_ok, R, RP)
+                q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
+                qrows, inter = _gather(bank_p, q, qok,
+                                       tl.load(gather_r + rent, mask=qok, other=0.0), cols, D)
+                if SNAPSHOT:
+                    _store_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows,
+                                    wm, c0, cols, D, BD, MODE)
+                    _store_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qrows,
+                                    rm, c0, cols, D, BD, MODE)
+                vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                             other=0.0).to(tl.float32)
+                tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
+                         mask=tok_ok[:, None])
+                tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
             tl.debug_barrier()
+            # (2) Dual matmul: delta = X u, out = inter + QX u.
+            ci = tl.arange(0, C)
+            tok_c, ok_c = token_rows(tok0, h, H, count, ci)
+            bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
+            uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :],
+                                       mask=ok_c[:, None], other=0.0)
+            for rb in range(0, C, RB):
+                ri = rb + tl.arange(0, RB)
+                xo = x_base + ri[:, None] * C + ci[None, :]
+                dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
+                qx = tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
+                tok_r, ok_r = token_rows(tok0, h, H, count, ri)
+                ok_r = ok_r[:, None]
+                o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
+                tl.store(delta + tok_r[:, None] * D + cols[None, :], dl, mask=ok_r)
+                tl.store(out + tok_r[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
+                         mask=ok_r)
+            tl.debug_barrier()
+            # (3) Decay and write, pass by pass over the entries' rank within their slot.
+            for k in range(0, npass):
+                for tb in range(0, C, TB):
+                    ii = tb + tl.arange(0, TB)
+                    tok, tok_ok = token_rows(tok0, h, H, count, ii)
+                    went, wm = entry_offsets(tok, tok_ok, W, WP)
+                    s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
+                    rk = tl.load(rank + went, mask=ok, other=-1)
+                    mine = ok & (rk == k)
+                    sw = tl.load(scatter_w + went, mask=mine, other=0.0)
+                    dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                                 other=0.0)
+                    ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
+                    rows = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
+                    term = sw[:, :, None] * dl[:, None, :]
+                    if k == 0:
+                        rd = tl.load(row_decay + went, mask=mine, other=1.0)
+                        new = rd[:, :, None] * rows + term
+                    else:
+                        new = rows + term
+                    tl.store(ptr, new.to(bank.dtype.element_ty), mask=mine[:, :, None])
+                tl.debug_barrier()
 
 
 def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:

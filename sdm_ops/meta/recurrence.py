@@ -16,17 +16,18 @@ def weight_dtype(*tensors: Tensor | None) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, W: int, D: int):
-    """(shape, dtype) of the snapshot rows and the shape of their scales for ``mode``."""
-    rows = (B, T, H, W, D)
+def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, E: int, D: int):
+    """(shape, dtype) of the snapshot rows and the shape of their scales for ``mode``; E = W + R
+    entries per token (the write entries' rows, then the read entries')."""
+    rows = (B, T, H, E, D)
     if mode == "none":
         return rows, bank.dtype, (0,)
     if mode == "bf16":
         return rows, torch.bfloat16, (0,)
-    scales = (B, T, H, W, D // QUANT_GROUP)
+    scales = (B, T, H, E, D // QUANT_GROUP)
     if mode == "fp8":
         return rows, torch.uint8, scales      # float8_e4m3fn bit patterns
-    return (B, T, H, W, D // 2), torch.uint8, scales
+    return (B, T, H, E, D // 2), torch.uint8, scales
 
 
 def chunk_slots(B: int, T: int, C: int, chunks: Tensor | None) -> tuple[int, int]:
@@ -55,9 +56,9 @@ def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatte
     B, T, H, D = v.shape
     banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
     S = bank.shape[-2]
-    W = write_idx.shape[-1]
+    E = write_idx.shape[-1] + read_idx.shape[-1]
     wd = weight_dtype(v, bank, gather_w)
-    rows, rows_dtype, scales = snapshot_layout(snapshot, bank, B, T, H, W, D)
+    rows, rows_dtype, scales = snapshot_layout(snapshot, bank, B, T, H, E, D)
     t = v.new_empty((B, T, H, D), dtype=wd)
     return (v.new_empty((B, T, H, D)), bank.new_empty((banks, H, S, D)),
             bank.new_empty(rows, dtype=rows_dtype), bank.new_empty(scales, dtype=torch.float32),
@@ -70,15 +71,16 @@ def recurrence_fwd_inplace_fake(bank, v, beta, write_idx, read_idx, gather_w, ga
 
 
 def recurrence_bwd_fake(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-                        read_rank, X, QX, res, delta, bank_out, snap, snap_scale, snapshot, dout,
+                        read_rank, X, QX, res, delta, bank_rows, snap, snap_scale, snapshot, dout,
                         dbank_out, v_dtype, chunks=None, seq_chunks=None):
     B, T, H, D = res.shape
+    banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
     wd = res.dtype
     return (res.new_empty((B, T, H, D), dtype=v_dtype), res.new_empty((B, T, H), dtype=wd),
             gather_w.new_empty(gather_w.shape, dtype=wd), gather_r.new_empty(gather_r.shape, dtype=wd),
             scatter_w.new_empty(scatter_w.shape, dtype=wd), row_decay.new_empty(row_decay.shape, dtype=wd),
             X.new_empty(X.shape, dtype=wd), QX.new_empty(QX.shape, dtype=wd),
-            bank_out.new_empty(bank_out.shape, dtype=wd))
+            res.new_empty((banks, H, bank_rows, D), dtype=wd))
 
 
 def chunk_prepare_backward_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
