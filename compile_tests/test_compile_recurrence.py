@@ -153,7 +153,7 @@ def test_cuda_graph_decode_steps_replay_equal_eager_steps():
 
 @requires_cuda
 def test_inductor_code_holds_the_recurrence_triton_kernels():
-    from sdm_ops.kernels import chunk_prepare, recurrence_fwd, wy_solve
+    from sdm_ops.kernels import chunk_prepare, decode_step, recurrence_fwd, wy_solve
     kernels = (launched_kernels(chunk_prepare.chunk_prepare)
                + launched_kernels(wy_solve.wy_solve_fwd)
                + launched_kernels(recurrence_fwd.recurrence_fwd))
@@ -166,3 +166,6 @@ def test_inductor_code_holds_the_recurrence_triton_kernels():
     _, codes = run_and_get_code(torch.compile(run_sdm_inplace, fullgraph=True), bank,
                                 *seq_args(a))
     assert_kernels_in_code(kernels, codes, "sparse_delta_memory_")
+    step = tuple(None if t is None else t[:, :1] for t in seq_args(a))   # a decode step
+    _, codes = run_and_get_code(torch.compile(run_sdm_inplace, fullgraph=True), bank, *step)
+    assert_kernels_in_code(launched_kernels(decode_step.decode_step), codes, "a decode step")

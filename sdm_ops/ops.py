@@ -180,7 +180,8 @@ product_key_topk_backward.register_fake(product_key_topk_meta.product_key_topk_b
 product_key_topk.register_autograd(_topk_grad, setup_context=_topk_setup)
 
 # ---------------------------------------------------------------------------
-# The recurrence: sdm::chunk_prepare (phase 1), sdm::wy_solve, sdm::recurrence_fwd (phase 2)
+# The recurrence: sdm::chunk_prepare (phase 1), sdm::wy_solve, sdm::recurrence_fwd (phase 2),
+# sdm::decode_step_ (one token)
 # ---------------------------------------------------------------------------
 
 
@@ -315,9 +316,41 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
                                              seq_chunks)
 
 
+def _decode_step_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
+                     read_idx: Tensor, read_w: Tensor, decay: Tensor | None = None) -> Tensor:
+    """The CPU path of ``sdm::decode_step_``: the reference, stored into ``bank``."""
+    out, new, slot = reference.decode_step_reference(bank, v, beta, write_idx, write_w, read_idx,
+                                                     read_w, decay)
+    B, H, S, D = bank.shape
+    slot = slot.reshape(B * H, -1)
+    keep = slot >= 0
+    stream = torch.arange(B * H, device=bank.device)[:, None].expand_as(slot)
+    # Entries on one slot carry the same new row, so the order of the stores does not matter.
+    bank.view(B * H, S, D)[stream[keep], slot[keep]] = new.reshape(B * H, -1, D)[keep].to(bank.dtype)
+    return out.to(v.dtype).contiguous()
+
+
+_decode_step_reference = _reference_op(
+    "decode_step_inplace", _decode_step_cpu, recurrence_meta.decode_step_fake, ("bank",))
+
+
+@triton_op("sdm::decode_step_", mutates_args=("bank",))
+def decode_step_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
+                 read_idx: Tensor, read_w: Tensor, decay: Tensor | None = None) -> Tensor:
+    """One token (T = 1) of the recurrence on every stream of ``bank`` [B, H, S, D], in place
+    and in one launch; returns out [B, 1, H, D] in v's dtype. See ``kernels/decode_step.py``."""
+    if use_kernels(v):
+        from .kernels import decode_step as k
+        out = v.new_empty(v.shape)
+        k.decode_step(bank, v, beta, write_idx, write_w, read_idx, read_w, decay, out)
+        return out
+    return _decode_step_reference(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
+
+
 chunk_prepare.register_fake(recurrence_meta.chunk_prepare_fake)
 recurrence_fwd.register_fake(recurrence_meta.recurrence_fwd_fake)
 recurrence_fwd_.register_fake(recurrence_meta.recurrence_fwd_inplace_fake)
+decode_step_.register_fake(recurrence_meta.decode_step_fake)
 
 # ---------------------------------------------------------------------------
 # The recurrence's backward: sdm::recurrence_bwd (phase 2), sdm::chunk_prepare_backward

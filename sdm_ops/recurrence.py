@@ -227,8 +227,9 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
 
     For inference and decoding: ``T`` may be 1, and a call makes no host synchronization once
     its arguments are checked, so it captures in a CUDA graph. ``bank`` is ``[B, H, S, D]``
-    and contiguous. Sequences shorter than ``chunk_size`` run in one chunk of the smallest
-    allowed size that holds them (16 for a decode step). Returns ``out [B, T, H, D]``.
+    and contiguous. A decode step (T = 1, no ``cu_seqlens``) runs as one kernel launch; longer
+    sequences shorter than ``chunk_size`` run in one chunk of the smallest allowed size that
+    holds them. Returns ``out [B, T, H, D]``.
     ``cu_seqlens`` packs N sequences as in :func:`sparse_delta_memory` (bank ``[N, H, S, D]``).
 
     Example::
@@ -245,6 +246,8 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
         t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
     decay = None if decay is None else decay.contiguous()
     T = v.shape[1]
+    if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
+        return ops.decode_step_(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
     C = next(c for c in CHUNK_SIZES if c >= min(T, chunk_size))
     with torch.no_grad():
         prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,

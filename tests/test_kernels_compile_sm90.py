@@ -34,9 +34,10 @@ _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16
 def _recording(calls: list):
     """Record every (kernel, positional args, keyword args) launched through wrap_triton."""
     import torch.library
-    from sdm_ops.kernels import (chunk_prepare, product_key_topk, recurrence_bwd, recurrence_fwd,
-                                 wy_solve)
-    modules = [chunk_prepare, product_key_topk, recurrence_bwd, recurrence_fwd, wy_solve]
+    from sdm_ops.kernels import (chunk_prepare, decode_step, product_key_topk, recurrence_bwd,
+                                 recurrence_fwd, wy_solve)
+    modules = [chunk_prepare, decode_step, product_key_topk, recurrence_bwd, recurrence_fwd,
+               wy_solve]
     real = torch.library.wrap_triton
 
     def wrap(kernel):
@@ -128,6 +129,7 @@ def _launches():
                     state = a["bank"].detach().clone()
                     rest = {k: v.detach() for k, v in a.items() if k != "bank"}
                     sdm_ops.sparse_delta_memory_(state, **rest)
+                    sdm_ops.sparse_delta_memory_(state, **{k: v[:, :1] for k, v in rest.items()})
         for dtype in (torch.float32, torch.bfloat16):
             raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
             sdm_ops.product_key_topk(raw, (4, 5, 3), 7).val.sum().backward()
@@ -188,6 +190,7 @@ _OUTPUTS = {
     "_recurrence_fwd_kernel": {"bank", "out", "res", "delta", "scratch", "snap", "snap_scale"},
     "_recurrence_bwd_kernel": {"dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw", "p_rd"},
     "_dual_matmul_bwd_kernel": {"dX", "dQX", "dbeta"},
+    "_decode_step_kernel": {"bank", "out"},
     "_fwd_diag_kernel": {"X"},
     "_fwd_panel_kernel": {"X", "QX"},
     "_bwd_panel_kernel": {"G", "W"},

@@ -327,7 +327,8 @@ def test_failures_dict_is_empty():
 # ---------------------------------------------------------------------------
 
 # The CPU branch of each sdm:: operator calls its opaque reference operator (ops._reference_op).
-REFERENCE_TWINS = {"recurrence_fwd_": "recurrence_fwd_inplace_reference"}
+REFERENCE_TWINS = {"recurrence_fwd_": "recurrence_fwd_inplace_reference",
+                   "decode_step_": "decode_step_inplace_reference"}
 
 
 def reference_twin(name: str) -> str:
@@ -456,6 +457,15 @@ def test_opcheck_chunk_prepare_backward(device, packed):
 def test_opcheck_recurrence_fwd_inplace_decode_step(device, packed):
     values = recurrence_operands(device, T=1, packed=packed)
     opcheck(ops.recurrence_fwd_, op_args(ops.recurrence_fwd_, values))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decay", [True, False])
+def test_opcheck_decode_step(device, decay):
+    """One token per stream, duplicate slots within the token (S = 5, W = 6)."""
+    a = make_sdm_inputs(3, 1, 2, 32, 5, 6, 4, seed=31, decay=decay, shared=False, device=device)
+    opcheck(ops.decode_step_, (a["bank"].clone(), a["v"], a["beta"], a["write_idx"],
+                               a["write_w"], a["read_idx"], a["read_w"], a.get("decay")))
 
 
 # Operators whose direct opcheck test lives elsewhere or is still to come, and why.

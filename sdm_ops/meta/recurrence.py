@@ -1,5 +1,5 @@
 """Fakes of the recurrence operators: ``sdm::chunk_prepare``, ``sdm::recurrence_fwd``,
-``sdm::recurrence_fwd_`` and their backwards. Shapes follow the launchers' allocations (all
+``sdm::recurrence_fwd_``, ``sdm::decode_step_`` and the backwards. Shapes follow the launchers' allocations (all
 contiguous). ``chunks`` and ``seq_chunks`` describe a packed batch (None otherwise)."""
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatte
 
 def recurrence_fwd_inplace_fake(bank, v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
                                 row_decay, rank, X, QX, chunks=None, seq_chunks=None):
+    return v.new_empty(v.shape)
+
+
+def decode_step_fake(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None):
     return v.new_empty(v.shape)
 
 
