@@ -68,9 +68,10 @@ def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0
     return args
 
 
-def floor_bytes(a: dict, snapshot_itemsize: int) -> int:
-    """Bytes a forward must move at least: its inputs once, out, the returned bank (read and
-    written), each entry's bank row gathered once, each written row written once, the snapshot."""
+def floor_bytes(a: dict) -> int:
+    """Bytes a forward without autograd must move at least: its inputs once, out, the returned
+    bank (read and written), each entry's bank row gathered once and each written row written
+    once (it keeps no snapshot)."""
     B, T, H, D = a["v"].shape
     W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
     bank = a["bank"]
@@ -79,7 +80,7 @@ def floor_bytes(a: dict, snapshot_itemsize: int) -> int:
     out = a["v"].numel() * a["v"].element_size()
     entries = B * T * H
     return (inputs + out + 2 * bank.numel() * bank.element_size()
-            + entries * (W + R) * row + entries * W * row + entries * W * D * snapshot_itemsize)
+            + entries * (W + R) * row + entries * W * row)
 
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
@@ -94,13 +95,21 @@ def forward_fn(a: dict, chunk_size: int, **kw):
 
 
 def forward_backward_fn(a: dict, chunk_size: int, **kw):
-    """A call of the forward and backward of ``sparse_delta_memory`` on ``a``: gradients of
-    every float input (its own leaves, made once) for output and bank gradients of ones."""
+    """A call of the forward and backward of ``sparse_delta_memory`` on ``a``: the gradients of
+    every float input (its own leaves, made once) for output and bank gradients of ones (made
+    once too, outside the call, as a downstream loss would hand them over). The gradients are
+    returned, not accumulated into ``.grad``, so the call times the operator alone."""
     leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
+    B, T, H, D = a["v"].shape
+    bank = a["bank"]
+    cu_seqlens = kw.get("cu_seqlens")
+    banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    g_out = torch.ones_like(a["v"])
+    g_bank = torch.ones((banks, H) + tuple(bank.shape[-2:]), dtype=bank.dtype, device=bank.device)
 
     def fwd_bwd():
         out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size, **kw)
-        torch.autograd.backward((out, bank), (torch.ones_like(out), torch.ones_like(bank)))
+        return torch.autograd.grad((out, bank), list(leaves.values()), (g_out, g_bank))
     return fwd_bwd
 
 
@@ -109,7 +118,7 @@ def snapshot_errors(a: dict, chunk_size: int) -> None:
     against the exact mode ("none"): max |g - g_none| / max |g_none|."""
     names = [k for k in FLOATS if k in a]
     B, T, H, D = a["v"].shape
-    W = a["write_idx"].shape[-1]
+    W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
     grads = {}
     for mode in ("none", "bf16", "fp8", "int4"):
         leaves = {k: a[k].detach().clone().requires_grad_() for k in names}
@@ -122,13 +131,13 @@ def snapshot_errors(a: dict, chunk_size: int) -> None:
                                           [leaves[k] for k in names])
     row = {"none": D * a["bank"].element_size(), "bf16": D * 2, "fp8": D + D // 4,
            "int4": D // 2 + D // 4}
-    print(f"snapshot modes, B={B} T={T} H={H} D={D} W={W}: bytes kept per token and the gradients' "
+    print(f"snapshot modes, B={B} T={T} H={H} D={D} W={W} R={R}: bytes kept per token and the gradients' "
           "error against 'none'")
     print(f"{'mode':<6}{'bytes/token':>12}" + "".join(f"{'d' + n:>10}" for n in names))
     for mode, gs in grads.items():
         errs = [((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
                 for x, y in zip(gs, grads["none"])]
-        print(f"{mode:<6}{row[mode] * W:>12d}" + "".join(f"{e:>10.1e}" for e in errs))
+        print(f"{mode:<6}{row[mode] * (W + R):>12d}" + "".join(f"{e:>10.1e}" for e in errs))
 
 
 def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
@@ -222,9 +231,10 @@ def fla_peers(B, T, H, D) -> list[tuple[str, float, float]]:
                 return fn(q, k, v, *extra, beta)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
+        g_o = torch.ones_like(v)
+
         def fwd_bwd():
-            o = fn(*leaves, *extra, beta)[0]
-            o.backward(torch.ones_like(o))
+            return torch.autograd.grad(fn(*leaves, *extra, beta)[0], leaves, g_o)
         rows.append((name, _time_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2)))
     return rows
 
@@ -304,7 +314,7 @@ def main(argv=None) -> int:
         fwd_bwd()
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
         del fwd_bwd
-        floor = floor_bytes(a, a["bank"].element_size()) / bw * 1e3
+        floor = floor_bytes(a) / bw * 1e3
         ref_ms = float("nan")
         if not args.no_reference:
             def ref_fwd():
