@@ -431,6 +431,9 @@ def _recurrence_fwd_setup(ctx, inputs, output):
                           rank, read_rank, X, QX, res, delta, snap, snap_scale, chunks, seq_chunks)
     ctx.bank_rows = bank.shape[-2]
     ctx.snapshot = snapshot
+    # The saved-for-backward outputs (snap, snap_scale, res, delta) never get a gradient, and
+    # out or the bank may not either: no zero tensors are made for them (None reaches the grad).
+    ctx.set_materialize_grads(False)
     ctx.v_dtype = v.dtype
     ctx.bank_meta = (bank.dim(), bank.dtype)
 
