@@ -141,7 +141,7 @@ def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
 
 
 @pytest.mark.parametrize("mode", ["none", "bf16", "fp8", "int4"])
-def test_snapshot_holds_the_pre_write_rows_within_its_mode_error(mode):
+def test_snapshot_holds_each_entrys_chunk_start_row_within_its_mode_error(mode):
     a = _inputs(T=20, D=32, seed=16)
     S, C = a["bank"].shape[-2], 16
     with on_kernels(), torch.no_grad():
@@ -152,7 +152,8 @@ def test_snapshot_holds_the_pre_write_rows_within_its_mode_error(mode):
         res = ops.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"], *prep[2:8],
                                  X.view(prep[0].shape), QX.view(prep[0].shape), a["bank"], mode)
     snap, scale = res[2], res[3]
-    # The exact pre-write rows, from the reference's phase 2 run on the same phase-1 output.
+    # The exact chunk-start rows (write entries, then read entries), from the reference's phase 2
+    # run on the same phase-1 output.
     p64 = ref.Prepared(*(x.cpu().double() if x.is_floating_point() else x.cpu() for x in prep))
     rows = ref.recurrence_fwd_reference(a["v"].cpu().double(), a["beta"].cpu().double(),
                                         a["write_idx"].cpu(), a["read_idx"].cpu(), p64,
