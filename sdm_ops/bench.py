@@ -100,7 +100,7 @@ def forward_backward_fn(a: dict, chunk_size: int, **kw):
     once too, outside the call, as a downstream loss would hand them over). The gradients are
     returned, not accumulated into ``.grad``, so the call times the operator alone."""
     leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
-    B, T, H, D = a["v"].shape
+    B, H = a["v"].shape[0], a["v"].shape[2]
     bank = a["bank"]
     cu_seqlens = kw.get("cu_seqlens")
     banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -131,8 +131,8 @@ def snapshot_errors(a: dict, chunk_size: int) -> None:
                                           [leaves[k] for k in names])
     row = {"none": D * a["bank"].element_size(), "bf16": D * 2, "fp8": D + D // 4,
            "int4": D // 2 + D // 4}
-    print(f"snapshot modes, B={B} T={T} H={H} D={D} W={W} R={R}: bytes kept per token and the gradients' "
-          "error against 'none'")
+    print(f"snapshot modes, B={B} T={T} H={H} D={D} W={W} R={R}: bytes kept per token and the "
+          "gradients' error against 'none'")
     print(f"{'mode':<6}{'bytes/token':>12}" + "".join(f"{'d' + n:>10}" for n in names))
     for mode, gs in grads.items():
         errs = [((x.float() - y.float()).abs().max() / y.float().abs().max()).item()

@@ -224,6 +224,12 @@ def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: 
                                     chunk_size, chunks, seq_chunks)
 
 
+def bank_copy(bank: Tensor, banks: int) -> Tensor:
+    """The per-stream copy [banks, H, S, D] (contiguous) of an initial bank, [banks, H, S, D]
+    or shared [H, S, D]: the state phase 2 updates in place and returns."""
+    return bank.expand(banks, *bank.shape[-3:]).clone(memory_format=torch.contiguous_format)
+
+
 def _recurrence_fwd_cpu(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                         gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
                         rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
@@ -261,9 +267,7 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
         out, _, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
             v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
             read_rank, X, QX, bank, snapshot, chunks, seq_chunks)
-        banks = v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1
-        bank_out = bank.expand(banks, v.shape[2], *bank.shape[-2:]).clone(
-            memory_format=torch.contiguous_format)
+        bank_out = bank_copy(bank, v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1)
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                          rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot,
                          chunks, seq_chunks)
@@ -326,7 +330,8 @@ def _decode_step_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, w
     keep = slot >= 0
     stream = torch.arange(B * H, device=bank.device)[:, None].expand_as(slot)
     # Entries on one slot carry the same new row, so the order of the stores does not matter.
-    bank.view(B * H, S, D)[stream[keep], slot[keep]] = new.reshape(B * H, -1, D)[keep].to(bank.dtype)
+    rows = new.reshape(B * H, -1, D)[keep].to(bank.dtype)
+    bank.view(B * H, S, D)[stream[keep], slot[keep]] = rows
     return out.to(v.dtype).contiguous()
 
 

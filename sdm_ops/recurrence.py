@@ -207,9 +207,8 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     if not _needs_grad(v, beta, write_w, read_w, bank, decay):
         # Nothing to differentiate: run phase 2 in place on a copy of the bank and keep no
         # snapshot (what inference and evaluation pay).
-        banks = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        bank_out = bank.expand(banks, *bank.shape[-3:]).clone(
-            memory_format=torch.contiguous_format)
+        bank_out = ops.bank_copy(bank, v.shape[0] if cu_seqlens is None
+                                 else cu_seqlens.shape[0] - 1)
         out = ops.recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
                                   scatter_w, row_decay, rank, X, QX, *tables)
         return SDMOutput(out, bank_out)
