@@ -12,16 +12,17 @@ and read entry: the backward never touches the bank itself):
     dM[s_r] += gather_r[r] dout_i                                     (read slots)
 
 A program owns one stream and BD = 16 columns (grid (B * H, D // 16), like the forward), so
-the per-entry dot products come out as one partial per 16 columns, [..., D // 16], summed in
-a fixed order afterwards. As in the forward, a chunk whose entries fit one tile (TB = C) is
-one pass through registers (ddelta, du and dout stay there between the dots and the dM
-updates); otherwise it goes in steps over tiles of TB tokens with barriers between them. dM is updated in passes by the entries' rank within their slot
-(write entries, then read entries), separated by barriers: one writer per row at a time, in
-entry order, so the result is bitwise deterministic. ``_dual_matmul_bwd_kernel`` then forms
+the per-entry dot products come out as one partial per 16 columns, [D // 16, ...], summed over
+the leading dimension afterwards (a fixed order). As in the forward, a chunk whose entries fit
+one tile (TB = C) is one pass through registers (ddelta, du and dout stay there between the
+dots and the dM updates); otherwise it goes in steps over tiles of TB tokens with barriers
+between them. dM is updated in passes by the entries' rank within their slot (write entries,
+then read entries), separated by barriers: one writer per row at a time, in entry order, so
+the result is bitwise deterministic. ``_dual_matmul_bwd_kernel`` then forms
 dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per chunk over all D columns.
 
 Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (written);
-dv [B, T, H, D] (v's dtype); partials [B, T, H, W or R, D // 16] float32; dbank [B, H, S, D]
+dv [B, T, H, D] (v's dtype); partials [D // 16, B, T, H, W or R] float32; dbank [B, H, S, D]
 float32 holding the gradient of the final bank on entry and of the initial bank on exit.
 8 warps (the dual-matmul kernel 4), pinned.
 Indices outside [0, S) are masked exactly as in the forward. A packed batch walks each
@@ -79,7 +80,7 @@ def _recurrence_bwd_kernel(
     beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
     X, QX, snap, snap_scale, delta, dout, chunks, seq_chunks,
     dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
-    T, H, S, NC,
+    T, H, S, NC, NTOK,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
     MODE: tl.constexpr, HAS_DOUT: tl.constexpr, VARLEN: tl.constexpr,
@@ -88,8 +89,12 @@ def _recurrence_bwd_kernel(
     c0 = tl.program_id(1) * BD
     cols = c0 + tl.arange(0, BD)
     h = p % H
-    NB: tl.constexpr = D // BD
     pid_c = tl.program_id(1)
+    # This program's block of the partials, [D // BD, B, T, H, W or R] over all tokens.
+    p_gw += pid_c.to(tl.int64) * NTOK * W
+    p_sw += pid_c.to(tl.int64) * NTOK * W
+    p_rd += pid_c.to(tl.int64) * NTOK * W
+    p_gr += pid_c.to(tl.int64) * NTOK * R
     dbank_p = dbank + p.to(tl.int64) * S * D
     if VARLEN:      # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
         lo = tl.load(seq_chunks + p // H).to(tl.int32)
@@ -124,8 +129,8 @@ def _recurrence_bwd_kernel(
                          other=0.0)
             dd = tl.sum(sw[:, :, None] * dm1, 1)
             tl.store(ddelta + tok[:, None] * D + cols[None, :], dd, mask=tok_ok[:, None])
-            tl.store(p_sw + went * NB + pid_c, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
-            tl.store(p_rd + went * NB + pid_c, tl.where(first, tl.sum(dm1 * m0, 2), 0.0),
+            tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
+            tl.store(p_rd + went, tl.where(first, tl.sum(dm1 * m0, 2), 0.0),
                      mask=wm)
             xo = x_base + ci[None, :] * C + ci[:, None]             # X^T
             duu = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
@@ -140,13 +145,13 @@ def _recurrence_bwd_kernel(
             tl.store(dv + tok[:, None] * D + cols[None, :],
                      (bb[:, None] * duu).to(dv.dtype.element_ty), mask=tok_ok[:, None])
             dret = -bb[:, None] * duu
-            tl.store(p_gw + went * NB + pid_c, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
+            tl.store(p_gw + went, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
             rrk = tl.load(read_rank + rent, mask=qok, other=-1)
             qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok, c0,
                                    cols, D, BD, MODE)
-            tl.store(p_gr + rent * NB + pid_c, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
+            tl.store(p_gr + rent, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
             gw = tl.load(gather_w + went, mask=ok, other=0.0)
             rd = tl.load(row_decay + went, mask=first, other=1.0)
             gterm = gw[:, :, None] * dret[:, None, :]
@@ -188,8 +193,8 @@ def _recurrence_bwd_kernel(
                              other=0.0)
                 tl.store(ddelta + tok[:, None] * D + cols[None, :],
                          tl.sum(sw[:, :, None] * dm1, 1), mask=tok_ok[:, None])
-                tl.store(p_sw + went * NB + pid_c, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
-                tl.store(p_rd + went * NB + pid_c,
+                tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
+                tl.store(p_rd + went,
                          tl.where(ok & (rk == 0), tl.sum(dm1 * m0, 2), 0.0), mask=wm)
             tl.debug_barrier()
             # (c) du = X^T ddelta + QX^T dout.
@@ -224,7 +229,7 @@ def _recurrence_bwd_kernel(
                 dret = -bb[:, None] * duu
                 m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok,
                                     c0, cols, D, BD, MODE)
-                tl.store(p_gw + went * NB + pid_c, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
+                tl.store(p_gw + went, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
                 rent, rm = entry_offsets(tok, tok_ok, R, RP)
                 q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
                 rrk = tl.load(read_rank + rent, mask=qok, other=0)
@@ -234,10 +239,10 @@ def _recurrence_bwd_kernel(
                                            qok, c0, cols, D, BD, MODE)
                     doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                                   other=0.0).to(tl.float32)
-                    tl.store(p_gr + rent * NB + pid_c, tl.sum(doo[:, None, :] * qrows, 2),
+                    tl.store(p_gr + rent, tl.sum(doo[:, None, :] * qrows, 2),
                              mask=rm)
                 else:
-                    tl.store(p_gr + rent * NB + pid_c, tl.zeros((TB, RP), tl.float32), mask=rm)
+                    tl.store(p_gr + rent, tl.zeros((TB, RP), tl.float32), mask=rm)
                 first = ok & (rk == 0)
                 gw = tl.load(gather_w + went, mask=ok, other=0.0)
                 rd = tl.load(row_decay + went, mask=first, other=1.0)
@@ -339,10 +344,10 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     f32 = dict(dtype=torch.float32, device=res.device)
     ddelta = torch.empty(B, T, H, D, **f32)
     du = torch.empty(B, T, H, D, **f32)
-    p_gw = torch.empty(B, T, H, W, nb, **f32)
-    p_sw = torch.empty(B, T, H, W, nb, **f32)
-    p_rd = torch.empty(B, T, H, W, nb, **f32)
-    p_gr = torch.empty(B, T, H, R, nb, **f32)
+    p_gw = torch.empty(nb, B, T, H, W, **f32)
+    p_sw = torch.empty(nb, B, T, H, W, **f32)
+    p_rd = torch.empty(nb, B, T, H, W, **f32)
+    p_gr = torch.empty(nb, B, T, H, R, **f32)
     has_dout = dout is not None
     varlen = chunks is not None
     if streams * T:
@@ -351,7 +356,7 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
             X, QX, snap, snap_scale if snap_scale.numel() else gather_w, delta,
             dout if has_dout else delta, chunks if varlen else rank, seq_chunks if varlen else rank,
             dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
-            T, H, S, N,
+            T, H, S, N, B * T * H,
             D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
             MODE=SNAP_CODES[snapshot], HAS_DOUT=has_dout, VARLEN=varlen, num_warps=_NUM_WARPS)
     if N * P:       # also when T = 0 in a packed batch: its unused chunk slots get zero tiles
@@ -360,4 +365,4 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
             dX, dQX, dbeta, T, H,
             D=D, C=C, BK=min(D, _DUAL_BLOCK_D), HAS_DOUT=has_dout, VARLEN=varlen,
             num_warps=_DUAL_WARPS)
-    return p_gw.sum(-1), p_gr.sum(-1), p_sw.sum(-1), p_rd.sum(-1)
+    return p_gw.sum(0), p_gr.sum(0), p_sw.sum(0), p_rd.sum(0)
