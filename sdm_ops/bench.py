@@ -76,7 +76,8 @@ def floor_bytes(a: dict) -> int:
     W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
     bank = a["bank"]
     row = D * bank.element_size()
-    inputs = sum(t.numel() * t.element_size() for t in a.values()) - bank.numel() * bank.element_size()
+    inputs = (sum(t.numel() * t.element_size() for t in a.values())
+              - bank.numel() * bank.element_size())
     out = a["v"].numel() * a["v"].element_size()
     entries = B * T * H
     return (inputs + out + 2 * bank.numel() * bank.element_size()
@@ -127,8 +128,8 @@ def snapshot_errors(a: dict, chunk_size: int) -> None:
         g = torch.Generator(device=out.device).manual_seed(1)
         g_out = torch.randn(out.shape, device=out.device, generator=g)
         g_bank = torch.randn(bank.shape, device=bank.device, generator=g)
-        grads[mode] = torch.autograd.grad((out.float() * g_out).sum() + (bank.float() * g_bank).sum(),
-                                          [leaves[k] for k in names])
+        loss = (out.float() * g_out).sum() + (bank.float() * g_bank).sum()
+        grads[mode] = torch.autograd.grad(loss, [leaves[k] for k in names])
     row = {"none": D * a["bank"].element_size(), "bf16": D * 2, "fp8": D + D // 4,
            "int4": D // 2 + D // 4}
     print(f"snapshot modes, B={B} T={T} H={H} D={D} W={W} R={R}: bytes kept per token and the "
@@ -209,34 +210,44 @@ def decode_step_us(B, H, D, S, W, R, *, bank_dtype) -> float:
     return _time_ms(lambda: [graph.replay() for _ in range(n)], reps=5, warmup=1) * 1e3 / n
 
 
-def fla_peers(B, T, H, D) -> list[tuple[str, float, float]]:
-    """fla-core's chunk_delta_rule and chunk_kda at the same B, T, H and K = V = D, bfloat16
-    (forward ms, forward+backward ms); empty when fla is not installed."""
+def _import_peer(module: str, name: str):
+    """(function, None), or (None, why) when it cannot be imported."""
     try:
-        from fla.ops.delta_rule import chunk_delta_rule
-        from fla.ops.kda import chunk_kda
-    except ImportError:
-        return []
+        return getattr(__import__(module, fromlist=[name]), name), None
+    except Exception as e:          # noqa: BLE001 - a broken optional install is reported
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        return None, f"{type(e).__name__}: {first}"
+
+
+def fla_peers(B, T, H, D) -> tuple[list[tuple[str, float, float]], list[tuple[str, str]]]:
+    """fla-core's chunk_delta_rule and chunk_kda at the same B, T, H and K = V = D, bfloat16:
+    rows (name, forward ms, forward+backward ms) for those that import, and (name, why) for
+    those that do not (fla-core not installed, or an import error of its own)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g)   # noqa: E731
     q, k, v = (rnd(B, T, H, D).to(torch.bfloat16) for _ in range(3))
     k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
     beta = torch.rand(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
     gate = -torch.rand(B, T, H, D, device="cuda", generator=g) * 0.1
-    rows = []
-    for name, fn, extra in (("fla chunk_delta_rule", chunk_delta_rule, ()),
-                            ("fla chunk_kda", chunk_kda, (gate,))):
+    rows, missing = [], []
+    for name, module, attr, extra in (
+            ("fla chunk_delta_rule", "fla.ops.delta_rule", "chunk_delta_rule", ()),
+            ("fla chunk_kda", "fla.ops.kda", "chunk_kda", (gate,))):
+        fn, why = _import_peer(module, attr)
+        if fn is None:
+            missing.append((name, why))
+            continue
+
         def fwd():
             with torch.no_grad():
                 return fn(q, k, v, *extra, beta)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-
         g_o = torch.ones_like(v)
 
         def fwd_bwd():
             return torch.autograd.grad(fn(*leaves, *extra, beta)[0], leaves, g_o)
         rows.append((name, _time_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2)))
-    return rows
+    return rows, missing
 
 
 def scaling(args) -> None:
@@ -317,7 +328,7 @@ def main(argv=None) -> int:
         floor = floor_bytes(a) / bw * 1e3
         ref_ms = float("nan")
         if not args.no_reference:
-            def ref_fwd():
+            def ref_fwd(a=a):
                 with torch.no_grad():
                     return ref.sdm_chunked_reference(**a, chunk_size=args.chunk_size)
             ref_ms = _time_ms(ref_fwd, reps=2, warmup=1)
@@ -335,14 +346,14 @@ def main(argv=None) -> int:
     print(f"decode step (T=1, B*H={B * H} streams, CUDA graph replay): "
           f"float32 bank {decode_step_us(B, H, D, S, W, R, bank_dtype=torch.float32):.1f} us, "
           f"bfloat16 bank {decode_step_us(B, H, D, S, W, R, bank_dtype=torch.bfloat16):.1f} us")
-    peers = fla_peers(B, T, H, D)
+    peers, missing = fla_peers(B, T, H, D)
     if peers:
         print(f"peers at B={B} T={T} H={H} K=V={D}, bfloat16 (state {D}x{D} per stream, "
               f"{S // D} times smaller than the bank)")
         for name, ms, bwd_ms in peers:
             print(f"{name:<28}{ms:>8.3f}{'':>34}{bwd_ms:>11.3f}")
-    else:
-        print("peers: fla-core not installed (pip install fla-core) - skipped")
+    for name, why in missing:
+        print(f"peer {name} skipped: {why} (pip install fla-core)")
     if not args.no_packed:
         packed_vs_padded(*shape, args.chunk_size)
     if args.scaling:

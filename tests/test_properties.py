@@ -1,7 +1,6 @@
 """Property-based tests (hypothesis): the public functions against the plainest reference on
 random shapes and options (CPU operators)."""
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
