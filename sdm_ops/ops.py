@@ -309,10 +309,8 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
     if use_kernels(v):
         from .kernels import recurrence_fwd as k
         out = v.new_empty(v.shape)
-        res = v.new_empty(v.shape, dtype=torch.float32)
-        delta = v.new_empty(v.shape, dtype=torch.float32)
         k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                         rank, X, QX, bank, out, res, delta, None, None, None, chunks,
+                         rank, X, QX, bank, out, None, None, None, None, None, chunks,
                          seq_chunks)
         return out
     return _recurrence_fwd_inplace_reference(bank, v, beta, write_idx, read_idx, gather_w,

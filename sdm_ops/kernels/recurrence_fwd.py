@@ -273,7 +273,9 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
                    rank, X, QX, bank, out, res, delta, snap, snap_scale, snapshot: str | None,
                    chunks=None, seq_chunks=None) -> None:
     """Launch phase 2 over every chunk; ``bank`` is updated in place. ``snapshot`` None skips
-    the snapshot (in-place inference). See the module docstring for the operands."""
+    the snapshot (in-place inference), and then ``res`` and ``delta`` may be None: they are
+    allocated here only if the chunks go in tiles (as scratch). See the module docstring for
+    the operands."""
     B, T, H, D = v.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
@@ -282,7 +284,15 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
     if streams * T == 0:
         return
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
-    scratch = torch.empty(streams, C, D, dtype=torch.float32, device=v.device)
+    # The one-tile path keeps a chunk in registers and touches neither the scratch nor, without
+    # a snapshot, res and delta: one-element stand-ins then.
+    tiled = tb < C
+    f32 = dict(dtype=torch.float32, device=v.device)
+    scratch = torch.empty((streams, C, D) if tiled else (1,), **f32)
+    if res is None:
+        res = torch.empty(v.shape if tiled else (1,), **f32)
+    if delta is None:
+        delta = torch.empty(v.shape if tiled else (1,), **f32)
     mode = SNAP_CODES["none" if snapshot is None else snapshot]
     varlen = chunks is not None
     wrap_triton(_recurrence_fwd_kernel)[(streams, D // BLOCK_D)](
