@@ -110,6 +110,24 @@ def test_only_the_output_or_only_the_bank_may_carry_gradient():
     assert g1.abs().sum() > 0 and g2.abs().sum() > 0
 
 
+@requires_kernels
+def test_kernel_gradients_of_a_loss_on_the_bank_alone_match_reference(phase2_tiles):
+    """No gradient reaches ``out`` (the backward gets None for it): read_w's gradient is exactly
+    zero and the others match the float64 reference."""
+    a = make_sdm_inputs(T=37, S=7, W=3, R=2, seed=30, device=KERNEL_DEVICE)
+    leaves = {k: (v.detach().clone().requires_grad_() if k in FLOATS else v) for k, v in a.items()}
+    names = [n for n in FLOATS if n in a]
+    g_bank = torch.randn(a["bank"].shape, generator=torch.Generator().manual_seed(3))
+    with on_kernels():
+        _, bank = sdm_ops.sparse_delta_memory(**leaves, chunk_size=16)
+        grads = torch.autograd.grad((bank * g_bank.to(bank.device)).sum(),
+                                    [leaves[n] for n in names])
+    got = dict(zip(names, grads))
+    g_out = torch.zeros(a["v"].shape)
+    assert torch.count_nonzero(got["read_w"]) == 0
+    _check(got, _oracle(a, g_out, g_bank), 1e-5, "loss on the bank")
+
+
 def test_double_backward_raises_a_clear_error():
     a = make_sdm_inputs(T=5, seed=27)
     v = a["v"].clone().requires_grad_()

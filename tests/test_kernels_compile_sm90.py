@@ -125,6 +125,8 @@ def _launches():
                 for c, mode in ((16, "none"), (32, "fp8"), (16, "int4"), (16, "bf16")):
                     out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=c, snapshot=mode)
                     (out.sum() + bank.sum()).backward()
+                # A loss on the bank alone: the backward without an output gradient.
+                sdm_ops.sparse_delta_memory(**a, chunk_size=16)[1].sum().backward()
                 with torch.no_grad():
                     state = a["bank"].detach().clone()
                     rest = {k: v.detach() for k, v in a.items() if k != "bank"}

@@ -138,8 +138,6 @@ def _recurrence_bwd_kernel(
                 do = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                              other=0.0).to(tl.float32)
                 duu = tl.dot(tl.load(QX + xo), do, duu, input_precision="ieee")
-            else:
-                do = tl.zeros((C, BD), tl.float32)
             tl.store(du + tok[:, None] * D + cols[None, :], duu, mask=tok_ok[:, None])
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
             tl.store(dv + tok[:, None] * D + cols[None, :],
@@ -148,10 +146,12 @@ def _recurrence_bwd_kernel(
             tl.store(p_gw + went, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-            rrk = tl.load(read_rank + rent, mask=qok, other=-1)
-            qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok, c0,
-                                   cols, D, BD, MODE)
-            tl.store(p_gr + rent, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
+            if HAS_DOUT:
+                qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok,
+                                       c0, cols, D, BD, MODE)
+                tl.store(p_gr + rent, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
+            else:
+                tl.store(p_gr + rent, tl.zeros((C, RP), tl.float32), mask=rm)
             gw = tl.load(gather_w + went, mask=ok, other=0.0)
             rd = tl.load(row_decay + went, mask=first, other=1.0)
             gterm = gw[:, :, None] * dret[:, None, :]
@@ -164,6 +164,7 @@ def _recurrence_bwd_kernel(
                 cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
                 tl.store(dptr, cur + gterm, mask=mine[:, :, None])
             if HAS_DOUT:
+                rrk = tl.load(read_rank + rent, mask=qok, other=-1)
                 rpass = tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0)
                 rterm = tl.load(gather_r + rent, mask=qok, other=0.0)[:, :, None] * do[:, None, :]
                 rptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
