@@ -16,8 +16,9 @@ ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "dec
 FLOATS = ["v", "beta", "write_w", "read_w", "bank", "decay"]
 
 
-def _grads(a, *, kernels: bool, chunk_size=16, snapshot="none", seed=1):
-    """Gradients of sum(out * g_out) + sum(bank * g_bank) with respect to every float input."""
+def _grads(a, *, kernels: bool, chunk_size=16, snapshot="none", seed=1, loss_on_out=True):
+    """Gradients of sum(out * g_out) + sum(bank * g_bank) with respect to every float input;
+    without ``loss_on_out`` the loss is sum(bank * g_bank) alone (g_out returned as zeros)."""
     a = {k: (v.detach().clone().requires_grad_() if k in FLOATS else v) for k, v in a.items()}
     names = [n for n in FLOATS if n in a]
     with on_kernels() if kernels else contextlib.nullcontext():
@@ -25,8 +26,12 @@ def _grads(a, *, kernels: bool, chunk_size=16, snapshot="none", seed=1):
         g = torch.Generator().manual_seed(seed)
         g_out = torch.randn(out.shape, generator=g).to(out.device)
         g_bank = torch.randn(bank.shape, generator=g).to(bank.device)
-        grads = torch.autograd.grad((out.float() * g_out).sum() + (bank.float() * g_bank).sum(),
-                                    [a[n] for n in names])
+        loss = (bank.float() * g_bank).sum()
+        if loss_on_out:
+            loss = (out.float() * g_out).sum() + loss
+        else:
+            g_out = torch.zeros_like(g_out)
+        grads = torch.autograd.grad(loss, [a[n] for n in names])
     return dict(zip(names, grads)), g_out, g_bank
 
 
@@ -115,15 +120,7 @@ def test_kernel_gradients_of_a_loss_on_the_bank_alone_match_reference(phase2_til
     """No gradient reaches ``out`` (the backward gets None for it): read_w's gradient is exactly
     zero and the others match the float64 reference."""
     a = make_sdm_inputs(T=37, S=7, W=3, R=2, seed=30, device=KERNEL_DEVICE)
-    leaves = {k: (v.detach().clone().requires_grad_() if k in FLOATS else v) for k, v in a.items()}
-    names = [n for n in FLOATS if n in a]
-    g_bank = torch.randn(a["bank"].shape, generator=torch.Generator().manual_seed(3))
-    with on_kernels():
-        _, bank = sdm_ops.sparse_delta_memory(**leaves, chunk_size=16)
-        grads = torch.autograd.grad((bank * g_bank.to(bank.device)).sum(),
-                                    [leaves[n] for n in names])
-    got = dict(zip(names, grads))
-    g_out = torch.zeros(a["v"].shape)
+    got, g_out, g_bank = _grads(a, kernels=True, loss_on_out=False)
     assert torch.count_nonzero(got["read_w"]) == 0
     _check(got, _oracle(a, g_out, g_bank), 1e-5, "loss on the bank")
 

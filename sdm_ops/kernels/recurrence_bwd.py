@@ -22,8 +22,9 @@ the result is bitwise deterministic. ``_dual_matmul_bwd_kernel`` then forms
 dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per chunk over all D columns.
 
 Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (written);
-dv [B, T, H, D] (v's dtype); partials [D // 16, B, T, H, W or R] float32; dbank [B, H, S, D]
-float32 holding the gradient of the final bank on entry and of the initial bank on exit.
+dv [B, T, H, D] (v's dtype); partials [D // 16, B, T, H, W or R] float32 (those of the read
+entries written only with dout); dbank [B, H, S, D] float32 holding the gradient of the final
+bank on entry and of the initial bank on exit.
 8 warps (the dual-matmul kernel 4), pinned.
 Indices outside [0, S) are masked exactly as in the forward. A packed batch walks each
 sequence's chunk slots in reverse, as the forward walks them (see ``recurrence_fwd``).
@@ -150,8 +151,6 @@ def _recurrence_bwd_kernel(
                 qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok,
                                        c0, cols, D, BD, MODE)
                 tl.store(p_gr + rent, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
-            else:
-                tl.store(p_gr + rent, tl.zeros((C, RP), tl.float32), mask=rm)
             gw = tl.load(gather_w + went, mask=ok, other=0.0)
             rd = tl.load(row_decay + went, mask=first, other=1.0)
             gterm = gw[:, :, None] * dret[:, None, :]
@@ -240,10 +239,7 @@ def _recurrence_bwd_kernel(
                                            qok, c0, cols, D, BD, MODE)
                     doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                                   other=0.0).to(tl.float32)
-                    tl.store(p_gr + rent, tl.sum(doo[:, None, :] * qrows, 2),
-                             mask=rm)
-                else:
-                    tl.store(p_gr + rent, tl.zeros((TB, RP), tl.float32), mask=rm)
+                    tl.store(p_gr + rent, tl.sum(doo[:, None, :] * qrows, 2), mask=rm)
                 first = ok & (rk == 0)
                 gw = tl.load(gather_w + went, mask=ok, other=0.0)
                 rd = tl.load(row_decay + went, mask=first, other=1.0)
@@ -348,8 +344,9 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     p_gw = torch.empty(nb, B, T, H, W, **f32)
     p_sw = torch.empty(nb, B, T, H, W, **f32)
     p_rd = torch.empty(nb, B, T, H, W, **f32)
-    p_gr = torch.empty(nb, B, T, H, R, **f32)
     has_dout = dout is not None
+    # Without an output gradient the read weights get none: the kernel leaves p_gr alone.
+    p_gr = torch.empty(nb, B, T, H, R, **f32) if has_dout else torch.empty(1, **f32)
     varlen = chunks is not None
     if streams * T:
         wrap_triton(_recurrence_bwd_kernel)[(streams, nb)](
@@ -366,4 +363,5 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
             dX, dQX, dbeta, T, H,
             D=D, C=C, BK=min(D, _DUAL_BLOCK_D), HAS_DOUT=has_dout, VARLEN=varlen,
             num_warps=_DUAL_WARPS)
-    return p_gw.sum(0), p_gr.sum(0), p_sw.sum(0), p_rd.sum(0)
+    d_gather_r = p_gr.sum(0) if has_dout else torch.zeros(B, T, H, R, **f32)
+    return p_gw.sum(0), d_gather_r, p_sw.sum(0), p_rd.sum(0)
