@@ -11,15 +11,17 @@ and read entry: the backward never touches the bank itself):
     dM[s] <- row_decay dM[s] + sum_{a on s} gather_w[a] dret_i      (written slots)
     dM[s_r] += gather_r[r] dout_i                                     (read slots)
 
-A program owns one stream and BD = 16 columns (grid (B * H, D // 16), like the forward), so
+A program owns one stream and BD = 16 columns (grid (B * H * D // 16,), like the forward), so
 the per-entry dot products come out as one partial per 16 columns, [D // 16, ...], summed over
 the leading dimension afterwards (a fixed order). As in the forward, a chunk whose entries fit
 one tile (TB = C) is one pass through registers (ddelta, du and dout stay there between the
 dots and the dM updates); otherwise it goes in steps over tiles of TB tokens with barriers
 between them. dM is updated in passes by the entries' rank within their slot (write entries,
 then read entries), separated by barriers: one writer per row at a time, in entry order, so
-the result is bitwise deterministic. ``_dual_matmul_bwd_kernel`` then forms
-dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per chunk over all D columns.
+the result is bitwise deterministic (on the one-tile path every pass after the first is an
+atomic add, and each chunk loads the write indices of the chunk after it in the walk while its
+own gathers are in flight). ``_dual_matmul_bwd_kernel`` then forms dX = ddelta u^T,
+dQX = dout u^T and dbeta = du . res per chunk over all D columns.
 
 Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (written);
 dv [B, T, H, D] (v's dtype); partials [D // 16, B, T, H, W or R] float32 (those of the read
@@ -86,11 +88,11 @@ def _recurrence_bwd_kernel(
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
     MODE: tl.constexpr, HAS_DOUT: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    c0 = tl.program_id(1) * BD
+    p = tl.program_id(0) // (D // BD)
+    c0 = tl.program_id(0) % (D // BD) * BD
     cols = c0 + tl.arange(0, BD)
     h = p % H
-    pid_c = tl.program_id(1)
+    pid_c = tl.program_id(0) % (D // BD)
     # This program's block of the partials, [D // BD, B, T, H, W or R] over all tokens.
     p_gw += pid_c.to(tl.int64) * NTOK * W
     p_sw += pid_c.to(tl.int64) * NTOK * W
@@ -105,6 +107,19 @@ def _recurrence_bwd_kernel(
         lo = 0
         hi = tl.cdiv(T, C)
         tiles = p.to(tl.int64) * hi
+    ci = tl.arange(0, C)
+    if TB == C:
+        # As in the forward, each chunk loads the write indices of the chunk it precedes in
+        # this walk (the one before it) while its own gathers are in flight. The last chunk's:
+        if VARLEN:
+            ltok0 = tl.load(chunks + 2 * (hi - 1), mask=lo < hi, other=0)
+            lcount = tl.load(chunks + 2 * (hi - 1) + 1, mask=lo < hi, other=0).to(tl.int32)
+        else:
+            ltok0, lcount = dense_chunk(hi - 1, p, T, H, C)
+            lcount = tl.where(hi > lo, lcount, 0)
+        ltok, ltok_ok = token_rows(ltok0, h, H, lcount, ci)
+        lwent, lwm = entry_offsets(ltok, ltok_ok, W, WP)
+        next_w = tl.load(write_idx + lwent, mask=lwm, other=-1)
     for nn in range(lo, hi):
         n = lo + hi - 1 - nn
         if VARLEN:
@@ -115,15 +130,23 @@ def _recurrence_bwd_kernel(
         x_base = (tiles + n) * C * C
         if TB == C:
             # The whole chunk as one tile: ddelta and du stay in registers between the dots.
-            ci = tl.arange(0, C)
             tok, tok_ok = token_rows(tok0, h, H, count, ci)
             went, wm = entry_offsets(tok, tok_ok, W, WP)
-            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
+            s, ok = bank_slots(next_w, wm, S)
+            dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
+            dm1 = tl.load(dptr, mask=ok[:, :, None], other=0.0)
+            if VARLEN:
+                ntok0 = tl.load(chunks + 2 * n - 2, mask=n > lo, other=0)
+                ncount = tl.load(chunks + 2 * n - 1, mask=n > lo, other=0).to(tl.int32)
+            else:
+                ntok0, ncount = dense_chunk(n - 1, p, T, H, C)
+                ncount = tl.where(n > lo, ncount, 0)
+            ntok, ntok_ok = token_rows(ntok0, h, H, ncount, ci)
+            nwent, nwm = entry_offsets(ntok, ntok_ok, W, WP)
+            next_w = tl.load(write_idx + nwent, mask=nwm, other=-1)
             rk = tl.load(rank + went, mask=ok, other=-1)
             first = ok & (rk == 0)
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
-            dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
-            dm1 = tl.load(dptr, mask=ok[:, :, None], other=0.0)
             m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok, c0,
                                 cols, D, BD, MODE)
             dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
@@ -159,9 +182,7 @@ def _recurrence_bwd_kernel(
             tl.store(dptr, rd[:, :, None] * dm1 + gterm, mask=first[:, :, None])
             for k in range(1, npass):
                 tl.debug_barrier()
-                mine = ok & (rk == k)
-                cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
-                tl.store(dptr, cur + gterm, mask=mine[:, :, None])
+                tl.atomic_add(dptr, gterm, mask=(ok & (rk == k))[:, :, None], sem="relaxed")
             if HAS_DOUT:
                 rrk = tl.load(read_rank + rent, mask=qok, other=-1)
                 rpass = tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0)
@@ -169,9 +190,8 @@ def _recurrence_bwd_kernel(
                 rptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
                 for k in range(0, rpass):
                     tl.debug_barrier()
-                    r_mine = qok & (rrk == k)
-                    r_cur = tl.load(rptr, mask=r_mine[:, :, None], other=0.0)
-                    tl.store(rptr, r_cur + rterm, mask=r_mine[:, :, None])
+                    tl.atomic_add(rptr, rterm, mask=(qok & (rrk == k))[:, :, None],
+                                  sem="relaxed")
             tl.debug_barrier()
         else:
             npass = 1
@@ -349,7 +369,7 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     p_gr = torch.empty(nb, B, T, H, R, **f32) if has_dout else torch.empty(1, **f32)
     varlen = chunks is not None
     if streams * T:
-        wrap_triton(_recurrence_bwd_kernel)[(streams, nb)](
+        wrap_triton(_recurrence_bwd_kernel)[(streams * nb,)](
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
             X, QX, snap, snap_scale if snap_scale.numel() else gather_w, delta,
             dout if has_dout else delta, chunks if varlen else rank, seq_chunks if varlen else rank,

@@ -17,8 +17,11 @@ goes in three steps over tiles of TB tokens, with barriers between them: (1) gat
 res = v - retrieved and inter (to a per-program scratch); (2) the dots, storing delta; (3) the
 writes. Writes go in passes over the entries' rank within their slot: the first entry on each
 slot (rank 0) stores row_decay * M0 + its term, then entries of rank 1, 2, ... add their terms
-in passes separated by barriers, so every bank row has one writer at a time and the sum runs
-in entry order: bitwise deterministic (for a given tile geometry and warp count, pinned here).
+in passes separated by barriers (atomic adds into a float32 bank: no load round trip; a load
+and a store into a bfloat16 one, rounding as it goes), so every bank row has one writer at a
+time and the sum runs in entry order: bitwise deterministic (for a given tile geometry and
+warp count, pinned here). On the one-tile path each chunk also loads the next chunk's indices
+and gather weights, which do not depend on the bank, while its own gathers are in flight.
 
 Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
@@ -35,7 +38,9 @@ A packed batch (``cu_seqlens``; B = 1): a program owns sequence n = p // H of he
 its chunk slots seq_chunks[n] : seq_chunks[n + 1], each slot's tokens read from the table
 ``chunks`` (see ``chunk_prepare``); X, QX are [1, H, NC, C, C] and the bank [N, H, S, D].
 
-Grid: (B * H, D // 16), or (N * H, D // 16) for a packed batch; 8 warps, pinned.
+Grid: (B * H * D // 16,), or (N * H * D // 16,) for a packed batch, the D // 16 column
+programs of a stream adjacent, so that they run side by side and share the chunk's indices,
+X and QX (and the bank rows' other columns) through L2; 8 warps, pinned.
 """
 
 from __future__ import annotations
@@ -124,8 +129,8 @@ def _recurrence_fwd_kernel(
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
     MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    c0 = tl.program_id(1) * BD
+    p = tl.program_id(0) // (D // BD)
+    c0 = tl.program_id(0) % (D // BD) * BD
     cols = c0 + tl.arange(0, BD)
     h = p % H
     bank_p = bank + p.to(tl.int64) * S * D
@@ -138,6 +143,23 @@ def _recurrence_fwd_kernel(
         lo = 0
         hi = tl.cdiv(T, C)
         tiles = p.to(tl.int64) * hi
+    ci = tl.arange(0, C)
+    if TB == C:
+        # A chunk's indices and gather weights do not depend on the bank: each chunk loads
+        # the next chunk's while its own gathers are in flight, so that a chunk starts with its
+        # gathers rather than with a round trip for their addresses. Here the first chunk's.
+        if VARLEN:
+            ftok0 = tl.load(chunks + 2 * lo, mask=lo < hi, other=0)
+            fcount = tl.load(chunks + 2 * lo + 1, mask=lo < hi, other=0).to(tl.int32)
+        else:
+            ftok0, fcount = dense_chunk(lo, p, T, H, C)
+        ftok, ftok_ok = token_rows(ftok0, h, H, fcount, ci)
+        fwent, fwm = entry_offsets(ftok, ftok_ok, W, WP)
+        frent, frm = entry_offsets(ftok, ftok_ok, R, RP)
+        next_w = tl.load(write_idx + fwent, mask=fwm, other=-1)
+        next_gw = tl.load(gather_w + fwent, mask=fwm, other=0.0)
+        next_r = tl.load(read_idx + frent, mask=frm, other=-1)
+        next_gr = tl.load(gather_r + frent, mask=frm, other=0.0)
     for n in range(lo, hi):
         if VARLEN:
             tok0 = tl.load(chunks + 2 * n)
@@ -148,17 +170,26 @@ def _recurrence_fwd_kernel(
         if TB == C:
             # The whole chunk as one tile: gathered rows, u and delta stay in registers from
             # the gathers to the writes.
-            ci = tl.arange(0, C)
             tok, tok_ok = token_rows(tok0, h, H, count, ci)
             went, wm = entry_offsets(tok, tok_ok, W, WP)
-            s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-            rk = tl.load(rank + went, mask=ok, other=-1)
-            rows, retrieved = _gather(bank_p, s, ok, tl.load(gather_w + went, mask=ok, other=0.0),
-                                      cols, D)
+            s, ok = bank_slots(next_w, wm, S)
+            rows, retrieved = _gather(bank_p, s, ok, tl.where(ok, next_gw, 0.0), cols, D)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
-            q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-            qrows, inter = _gather(bank_p, q, qok, tl.load(gather_r + rent, mask=qok, other=0.0),
-                                   cols, D)
+            q, qok = bank_slots(next_r, rm, S)
+            qrows, inter = _gather(bank_p, q, qok, tl.where(qok, next_gr, 0.0), cols, D)
+            if VARLEN:
+                ntok0 = tl.load(chunks + 2 * n + 2, mask=n + 1 < hi, other=0)
+                ncount = tl.load(chunks + 2 * n + 3, mask=n + 1 < hi, other=0).to(tl.int32)
+            else:
+                ntok0, ncount = dense_chunk(n + 1, p, T, H, C)
+            ntok, ntok_ok = token_rows(ntok0, h, H, ncount, ci)
+            nwent, nwm = entry_offsets(ntok, ntok_ok, W, WP)
+            nrent, nrm = entry_offsets(ntok, ntok_ok, R, RP)
+            next_w = tl.load(write_idx + nwent, mask=nwm, other=-1)
+            next_gw = tl.load(gather_w + nwent, mask=nwm, other=0.0)
+            next_r = tl.load(read_idx + nrent, mask=nrm, other=-1)
+            next_gr = tl.load(gather_r + nrent, mask=nrm, other=0.0)
+            rk = tl.load(rank + went, mask=ok, other=-1)
             vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                          other=0.0).to(tl.float32)
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
@@ -173,9 +204,9 @@ def _recurrence_fwd_kernel(
             xo = x_base + ci[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
             o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
-            tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
-                     mask=tok_ok[:, None])
             if SNAPSHOT:
+                tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
+                         mask=tok_ok[:, None])
                 tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
             term = sw[:, :, None] * dl[:, None, :]
@@ -184,13 +215,22 @@ def _recurrence_fwd_kernel(
             rd = tl.load(row_decay + went, mask=first, other=1.0)
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
             tl.debug_barrier()          # every gather of the chunk precedes its first write
+            if not SNAPSHOT:
+                # Stored here rather than with the snapshot's stores: in that place ptxas (of
+                # Triton 3.6 and 3.7, at -O3) gives the in-place kernel 32 registers and a
+                # 3.5 KB stack instead of 255 registers (PERF_NOTES 12).
+                tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
+                         mask=tok_ok[:, None])
             tl.store(ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty),
                      mask=first[:, :, None])
             for k in range(1, npass):
                 tl.debug_barrier()
                 mine = ok & (rk == k)
-                cur = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
-                tl.store(ptr, (cur + term).to(bank.dtype.element_ty), mask=mine[:, :, None])
+                if bank.dtype.element_ty == tl.float32:
+                    tl.atomic_add(ptr, term, mask=mine[:, :, None], sem="relaxed")
+                else:
+                    cur = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
+                    tl.store(ptr, (cur + term).to(bank.dtype.element_ty), mask=mine[:, :, None])
             tl.debug_barrier()
         else:
             npass = 1
@@ -295,7 +335,7 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         delta = torch.empty(v.shape if tiled else (1,), **f32)
     mode = SNAP_CODES["none" if snapshot is None else snapshot]
     varlen = chunks is not None
-    wrap_triton(_recurrence_fwd_kernel)[(streams, D // BLOCK_D)](
+    wrap_triton(_recurrence_fwd_kernel)[(streams * (D // BLOCK_D),)](
         v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
         X, QX, bank, out, res, delta, scratch,
         bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
