@@ -31,8 +31,9 @@ _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16
 
 
 @contextlib.contextmanager
-def _recording(calls: list):
-    """Record every (kernel, positional args, keyword args) launched through wrap_triton."""
+def _recording(calls: list, run: bool = True):
+    """Record every (kernel, positional args, keyword args) launched through wrap_triton, and
+    launch it unless ``run`` is False (``scripts/ptxas_report.py`` only records)."""
     import torch.library
     from sdm_ops.kernels import (chunk_prepare, decode_step, product_key_topk, recurrence_bwd,
                                  recurrence_fwd, wy_solve)
@@ -45,10 +46,10 @@ def _recording(calls: list):
 
         class Grid:
             def __getitem__(self, grid):
-                def run(*args, **kwargs):
+                def launch(*args, **kwargs):
                     calls.append((kernel, args, kwargs))
-                    return launcher[grid](*args, **kwargs)
-                return run
+                    return launcher[grid](*args, **kwargs) if run else None
+                return launch
         return Grid()
 
     saved = [(m, m.wrap_triton) for m in modules if hasattr(m, "wrap_triton")]
