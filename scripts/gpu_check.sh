@@ -5,7 +5,9 @@
 # .whl/ holds the wheels the machine lacks (expecttest): see the device tool's README.
 #
 # PART picks what runs, so that each fits one device call (10 minutes):
-#   all (default)  the whole suite, then the benchmarks (a 2-GPU machine: about 380 s of tests)
+#   all (default)  the whole suite, then the benchmarks (a 2-GPU machine: about 380 s of tests;
+#                  with the sanitizer on the second GPU over 400 s, and then the benchmarks
+#                  do not fit the same call: NO_SANITIZE=1, and the sanitizer a call of its own)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s)
 #   tests          the rest of tests/ (one H200: more than 450 s cold; give it PYTEST_TIMEOUT)
 #   bench          python -m sdm_ops.bench --scaling and python -m sdm_ops.bench_topk

@@ -216,9 +216,9 @@ def _recurrence_fwd_kernel(
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
             tl.debug_barrier()          # every gather of the chunk precedes its first write
             if not SNAPSHOT:
-                # Stored here rather than with the snapshot's stores: in that place ptxas (of
-                # Triton 3.6 and 3.7, at -O3) gives the in-place kernel 32 registers and a
-                # 3.5 KB stack instead of 255 registers (PERF_NOTES 12).
+                # Stored after the barrier rather than with the dots: on the H200 (Triton 3.6)
+                # the in-place kernel took 0.99-1.08 ms this way and 1.31-1.35 ms the other
+                # (separate runs), at 255 registers either way (PERF_NOTES 12).
                 tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
                          mask=tok_ok[:, None])
             tl.store(ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty),
