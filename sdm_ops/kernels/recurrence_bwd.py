@@ -219,7 +219,6 @@ def _recurrence_bwd_kernel(
                          tl.where(ok & (rk == 0), tl.sum(dm1 * m0, 2), 0.0), mask=wm)
             tl.debug_barrier()
             # (c) du = X^T ddelta + QX^T dout.
-            ci = tl.arange(0, C)
             tok_c, ok_c = token_rows(tok0, h, H, count, ci)
             ok_c = ok_c[:, None]
             dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)

@@ -260,7 +260,6 @@ def _recurrence_fwd_kernel(
                 tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
             tl.debug_barrier()
             # (2) Dual matmul: delta = X u, out = inter + QX u.
-            ci = tl.arange(0, C)
             tok_c, ok_c = token_rows(tok0, h, H, count, ci)
             bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
             uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :],
