@@ -9,8 +9,9 @@
 #                  with the sanitizer on the second GPU over 400 s, and then the benchmarks
 #                  do not fit the same call: NO_SANITIZE=1, and the sanitizer a call of its own)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s)
-#   tests          the rest of tests/ (one H200: more than 450 s cold; give it PYTEST_TIMEOUT)
-#   bench          python -m sdm_ops.bench --scaling and python -m sdm_ops.bench_topk
+#   tests          the rest of tests/ (one H200: 386 s at a0057f1; give it PYTEST_TIMEOUT=570)
+#   bench          python -m sdm_ops.bench --scaling and python -m sdm_ops.bench_topk (one H200,
+#                  fla-core carried: about 300 s; give it BENCH_TIMEOUT=420)
 # pytest runs with -v into $OUT/pytest.log (so a cut run still names what finished) and
 # --durations=15.
 set -uo pipefail
