@@ -3,8 +3,8 @@
 Reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, bfloat16 values; float32 bank with
 and without decay, and a bfloat16 bank. For each case it prints the forward time (median of
 CUDA-event timings), the number of kernel launches of one forward, the bytes-moved floor over
-the copy bandwidth measured in the same run, forward+backward time with its peak memory above
-the inputs, and the stock-PyTorch reference path on the GPU.
+the copy bandwidth measured in the same run, forward+backward time with its own floor and its
+peak memory above the inputs, and the stock-PyTorch reference path on the GPU.
 """
 
 from __future__ import annotations
@@ -82,6 +82,22 @@ def floor_bytes(a: dict) -> int:
     entries = B * T * H
     return (inputs + out + 2 * bank.numel() * bank.element_size()
             + entries * (W + R) * row + entries * W * row)
+
+
+def floor_bytes_fwd_bwd(a: dict) -> int:
+    """Bytes a forward+backward must move at least: the forward's floor (``floor_bytes``), the
+    output and bank gradients read, a gradient of every float input written (its size and
+    dtype), the indices read again and each entry's bank row read again (the backward needs
+    every entry's row as it was at its chunk's start, from a snapshot or recomputed)."""
+    B, T, H, D = a["v"].shape
+    W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
+    bank = a["bank"]
+    size = lambda t: t.numel() * t.element_size()   # noqa: E731
+    grads_in = size(a["v"]) + size(bank)
+    grads_out = sum(size(a[k]) for k in FLOATS if k in a)
+    indices = size(a["write_idx"]) + size(a["read_idx"])
+    return (floor_bytes(a) + grads_in + grads_out + indices
+            + B * T * H * (W + R) * D * bank.element_size())
 
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
@@ -306,7 +322,8 @@ def main(argv=None) -> int:
     print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
           f"C={args.chunk_size}, bfloat16 values")
     head = (f"{'case':<28}{'fwd ms':>8}{'launches':>9}{'floor ms':>9}{'x floor':>8}"
-            f"{'fwd+bwd ms':>11}{'peak GiB':>9}{'reference fwd ms':>17}")
+            f"{'fwd+bwd ms':>11}{'floor ms':>9}{'x floor':>8}{'peak GiB':>9}"
+            f"{'reference fwd ms':>17}")
     print(head)
     print("-" * len(head))
     cases = [("float32 bank, decay", True, torch.float32),
@@ -326,6 +343,7 @@ def main(argv=None) -> int:
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
         del fwd_bwd
         floor = floor_bytes(a) / bw * 1e3
+        bwd_floor = floor_bytes_fwd_bwd(a) / bw * 1e3
         ref_ms = float("nan")
         if not args.no_reference:
             def ref_fwd(a=a):
@@ -333,7 +351,8 @@ def main(argv=None) -> int:
                     return ref.sdm_chunked_reference(**a, chunk_size=args.chunk_size)
             ref_ms = _time_ms(ref_fwd, reps=2, warmup=1)
         print(f"{name:<28}{ms:>8.3f}{launches:>9d}{floor:>9.3f}{ms / floor:>8.2f}"
-              f"{bwd_ms:>11.3f}{peak:>9.2f}{ref_ms:>17.1f}")
+              f"{bwd_ms:>11.3f}{bwd_floor:>9.3f}{bwd_ms / bwd_floor:>8.2f}{peak:>9.2f}"
+              f"{ref_ms:>17.1f}")
         del a
         torch.cuda.empty_cache()
     B, T, H, D, S, W, R = shape
@@ -351,7 +370,7 @@ def main(argv=None) -> int:
         print(f"peers at B={B} T={T} H={H} K=V={D}, bfloat16 (state {D}x{D} per stream, "
               f"{S // D} times smaller than the bank)")
         for name, ms, bwd_ms in peers:
-            print(f"{name:<28}{ms:>8.3f}{'':>34}{bwd_ms:>11.3f}")
+            print(f"{name:<28}{ms:>8.3f}{'':>26}{bwd_ms:>11.3f}")
     for name, why in missing:
         print(f"peer {name} skipped: {why} (pip install fla-core)")
     if not args.no_packed:
