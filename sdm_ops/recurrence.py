@@ -106,9 +106,26 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
     check_same_device({"v": v, "beta": beta, "write_idx": write_idx, "write_w": write_w,
                        "read_idx": read_idx, "read_w": read_w, "bank": bank, "decay": decay,
                        "cu_seqlens": cu_seqlens})
-    _check_index_range("write_idx", write_idx, S)
-    _check_index_range("read_idx", read_idx, S)
+    _check_data(write_idx, read_idx, S, cu_seqlens, T)
+
+
+def _check_data(write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None,
+                T: int) -> None:
+    """The checks that read data, with one host synchronization: each is reduced to a flag on
+    the device and the flags are read together; a raised flag then runs that check's own
+    function, which finds and names the offending value (eager mode only)."""
+    if not data_checks_enabled():
+        return
+    flags = [((idx < -1) | (idx >= S)).any() for idx in (write_idx, read_idx)]
     if cu_seqlens is not None:
+        cu = cu_seqlens
+        flags.append((cu[0] != 0) | (cu[1:] < cu[:-1]).any() | (cu[-1] != T))
+    raised = torch.stack(flags).tolist()
+    if raised[0]:
+        _check_index_range("write_idx", write_idx, S)
+    if raised[1]:
+        _check_index_range("read_idx", read_idx, S)
+    if cu_seqlens is not None and raised[2]:
         _check_cu_seqlens(cu_seqlens, T)
 
 

@@ -1,13 +1,15 @@
 """Bad input fails loudly, in eager mode, naming the argument, and writes nothing; edge cases
 that are legal work (every entry padding, NaN values, mixed index dtypes, permuted inputs)."""
 
+import warnings
+
 import pytest
 import torch
 
 import sdm_ops
 from sdm_ops import reference as ref
-from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
-                           requires_kernels, to_float64)
+from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
+                           on_kernels, requires_kernels, to_float64)
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 
@@ -145,3 +147,39 @@ def test_wy_solve_rejects_bad_arguments_naming_them():
                               ((A[0], beta, QK), ValueError, "A")]:
         with pytest.raises(error, match=text):
             sdm_ops.wy_solve(*args)
+
+
+def test_data_checks_name_the_first_bad_argument():
+    # The checks that read data run together (one host synchronization); with several bad
+    # arguments the first in argument order is the one named.
+    a = _args(seed=2)
+    a["write_idx"] = torch.where(a["write_idx"] == 3, 11, a["write_idx"])
+    a["read_idx"] = torch.where(a["read_idx"] == 3, -2, a["read_idx"])
+    with pytest.raises(ValueError, match="write_idx must hold -1"):
+        sdm_ops.sparse_delta_memory(**a)
+    a["write_idx"] = a["write_idx"].clamp(max=10)
+    with pytest.raises(ValueError, match="read_idx must hold -1 .* got -2"):
+        sdm_ops.sparse_delta_memory(**a)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_eager_call_synchronizes_the_host_once(packed):
+    # The index-range and cu_seqlens checks read data, so an eager call must wait for the
+    # device once; more would stall the launch queue more than once per call.
+    if packed:
+        a = make_packed_sdm_inputs([5, 9, 3], device="cuda", seed=3)
+    else:
+        a = make_sdm_inputs(device="cuda", seed=3)
+    with torch.no_grad():
+        sdm_ops.sparse_delta_memory(**a)        # compiles the kernels first
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                sdm_ops.sparse_delta_memory(**a)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
