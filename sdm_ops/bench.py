@@ -208,21 +208,27 @@ def kernel_times(fn, top: int = 12) -> list[tuple[str, float, int]]:
     return rows[:top]
 
 
+def _captured(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn``, after two warm-up calls (Triton compilation, the
+    allocator) on a side stream, as ``torch.cuda.graph`` requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def decode_step_us(B, H, D, S, W, R, *, bank_dtype) -> float:
     """One decode step (T = 1, every stream) of ``sparse_delta_memory_`` replayed from a CUDA
     graph: microseconds per replay, over 200 replays."""
     a = make_workload(B, 1, H, D, S, W, R, decay=True, bank_dtype=bank_dtype)
     bank = a.pop("bank")
-    step = lambda: sdm_ops.sparse_delta_memory_(bank, **a)   # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(lambda: sdm_ops.sparse_delta_memory_(bank, **a))
     n = 200
     return _time_ms(lambda: [graph.replay() for _ in range(n)], reps=5, warmup=1) * 1e3 / n
 
@@ -231,16 +237,7 @@ def graph_forward_ms(a: dict, chunk_size: int) -> float:
     """The forward of ``forward_fn`` replayed from a CUDA graph: milliseconds per replay. No
     host work between the kernels (the eager checks, which read data, are skipped while
     capturing), so against the eager forward it shows what the host costs."""
-    fwd = forward_fn(a, chunk_size)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd()
+    graph = _captured(forward_fn(a, chunk_size))
     ms = _time_ms(graph.replay)
     del graph
     return ms
