@@ -237,10 +237,7 @@ def graph_forward_ms(a: dict, chunk_size: int) -> float:
     """The forward of ``forward_fn`` replayed from a CUDA graph: milliseconds per replay. No
     host work between the kernels (the eager checks, which read data, are skipped while
     capturing), so against the eager forward it shows what the host costs."""
-    graph = _captured(forward_fn(a, chunk_size))
-    ms = _time_ms(graph.replay)
-    del graph
-    return ms
+    return _time_ms(_captured(forward_fn(a, chunk_size)).replay)
 
 
 def _import_peer(module: str, name: str):

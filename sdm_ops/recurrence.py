@@ -29,9 +29,7 @@ class SDMOutput(NamedTuple):
 
 
 def _check_index_range(name: str, idx: Tensor, S: int) -> None:
-    """Every entry of ``idx`` is -1 (padding) or in [0, S); eager mode only (reads data)."""
-    if idx.numel() == 0 or not data_checks_enabled():
-        return
+    """Every entry of ``idx`` is -1 (padding) or in [0, S); reads data (see ``_check_data``)."""
     bad = (idx < -1) | (idx >= S)
     if bool(bad.any()):
         pos = tuple(int(i) for i in bad.nonzero()[0])
@@ -40,9 +38,7 @@ def _check_index_range(name: str, idx: Tensor, S: int) -> None:
 
 
 def _check_cu_seqlens(cu_seqlens: Tensor, T: int) -> None:
-    """Starts at 0, never decreases, ends at T; eager mode only (reads data)."""
-    if not data_checks_enabled():
-        return
+    """Starts at 0, never decreases, ends at T; reads data (see ``_check_data``)."""
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
@@ -118,8 +114,8 @@ def _check_data(write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor 
         return
     flags = [((idx < -1) | (idx >= S)).any() for idx in (write_idx, read_idx)]
     if cu_seqlens is not None:
-        cu = cu_seqlens
-        flags.append((cu[0] != 0) | (cu[1:] < cu[:-1]).any() | (cu[-1] != T))
+        flags.append((cu_seqlens[0] != 0) | (cu_seqlens[1:] < cu_seqlens[:-1]).any()
+                     | (cu_seqlens[-1] != T))
     raised = torch.stack(flags).tolist()
     if raised[0]:
         _check_index_range("write_idx", write_idx, S)

@@ -9,7 +9,7 @@ import torch
 import sdm_ops
 from sdm_ops import reference as ref
 from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
-                           on_kernels, requires_kernels, to_float64)
+                           on_kernels, requires_cuda, requires_kernels, to_float64)
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 
@@ -162,7 +162,7 @@ def test_data_checks_name_the_first_bad_argument():
         sdm_ops.sparse_delta_memory(**a)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@requires_cuda
 @pytest.mark.parametrize("packed", [False, True])
 def test_an_eager_call_synchronizes_the_host_once(packed):
     # The index-range and cu_seqlens checks read data, so an eager call must wait for the
