@@ -180,9 +180,35 @@ product_key_topk_backward.register_fake(product_key_topk_meta.product_key_topk_b
 product_key_topk.register_autograd(_topk_grad, setup_context=_topk_setup)
 
 # ---------------------------------------------------------------------------
-# The recurrence: sdm::chunk_prepare (phase 1), sdm::wy_solve, sdm::recurrence_fwd (phase 2),
-# sdm::decode_step_ (one token)
+# The recurrence: sdm::varlen_chunks (a packed batch's chunk tables), sdm::chunk_prepare
+# (phase 1), sdm::wy_solve, sdm::recurrence_fwd (phase 2), sdm::decode_step_ (one token)
 # ---------------------------------------------------------------------------
+
+
+def _varlen_chunks_cpu(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The CPU path of ``sdm::varlen_chunks``: the reference."""
+    chunks, seq_chunks = reference.varlen_chunks(cu_seqlens, T, chunk_size)
+    return chunks.contiguous(), seq_chunks.contiguous()
+
+
+_varlen_chunks_reference = _reference_op(
+    "varlen_chunks", _varlen_chunks_cpu, recurrence_meta.varlen_chunks_fake, ())
+
+
+@triton_op("sdm::varlen_chunks", mutates_args=())
+def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The chunk tables of a packed batch, (chunks [NC, 2], seq_chunks [N + 1]) int64, which
+    every operator of the recurrence takes; see ``reference.varlen_chunks`` (any offsets give
+    tables inside the batch, so compiled code needs no check of ``cu_seqlens``)."""
+    if use_kernels(cu_seqlens):
+        from .kernels import varlen as k
+        chunks, seq_chunks = recurrence_meta.varlen_chunks_fake(cu_seqlens, T, chunk_size)
+        k.varlen_chunks(cu_seqlens, T, chunk_size, chunks, seq_chunks)
+        return chunks, seq_chunks
+    return _varlen_chunks_reference(cu_seqlens, T, chunk_size)
+
+
+varlen_chunks.register_fake(recurrence_meta.varlen_chunks_fake)
 
 
 def _chunk_prepare_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,

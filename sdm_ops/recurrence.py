@@ -1,9 +1,9 @@
 """The SDM recurrence (SPEC sections 1-3): ``sparse_delta_memory`` and ``sparse_delta_memory_``.
 
 Both run phase 1 (``sdm::chunk_prepare``), the WY solve (``sdm::wy_solve``) and phase 2
-(``sdm::recurrence_fwd`` / ``sdm::recurrence_fwd_``), with no host synchronization once the
-arguments are checked (the eager-only index check aside), so they compile with
-``fullgraph=True`` and capture in CUDA graphs.
+(``sdm::recurrence_fwd`` / ``sdm::recurrence_fwd_``) with no host synchronization, so they
+compile with ``fullgraph=True`` and capture in CUDA graphs. In eager mode the checks that read
+data wait for their own results (an event), not for the stream (``_DataChecks``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 from . import ops
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
                       check_tensor, data_checks_enabled)
-from .reference import SNAPSHOT_MODES, varlen_chunks
+from .reference import SNAPSHOT_MODES
 
 CHUNK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -37,9 +37,8 @@ def _check_index_range(name: str, idx: Tensor, S: int) -> None:
                          f"{int(idx[pos])} at position {list(pos)}")
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor, T: int) -> None:
-    """Starts at 0, never decreases, ends at T; reads data (see ``_check_data``)."""
-    cu = cu_seqlens.tolist()
+def _check_cu_seqlens(cu: list[int], T: int) -> None:
+    """Offsets ``cu`` (cu_seqlens' values) start at 0, never decrease and end at T."""
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
     for n in range(1, len(cu)):
@@ -52,6 +51,8 @@ def _check_cu_seqlens(cu_seqlens: Tensor, T: int) -> None:
 
 def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
                 cu_seqlens=None, *, inplace: bool) -> None:
+    """Checks every argument's type, shape, device and options; the checks that read data are
+    ``_DataChecks``."""
     check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, H, D = v.shape
     if D not in HEAD_DIMS:
@@ -102,27 +103,63 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
     check_same_device({"v": v, "beta": beta, "write_idx": write_idx, "write_w": write_w,
                        "read_idx": read_idx, "read_w": read_w, "bank": bank, "decay": decay,
                        "cu_seqlens": cu_seqlens})
-    _check_data(write_idx, read_idx, S, cu_seqlens, T)
 
 
-def _check_data(write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None,
-                T: int) -> None:
-    """The checks that read data, with one host synchronization: each is reduced to a flag on
-    the device and the flags are read together; a raised flag then runs that check's own
-    function, which finds and names the offending value (eager mode only)."""
-    if not data_checks_enabled():
-        return
-    flags = [((idx < -1) | (idx >= S)).any() for idx in (write_idx, read_idx)]
-    if cu_seqlens is not None:
-        flags.append((cu_seqlens[0] != 0) | (cu_seqlens[1:] < cu_seqlens[:-1]).any()
-                     | (cu_seqlens[-1] != T))
-    raised = torch.stack(flags).tolist()
-    if raised[0]:
-        _check_index_range("write_idx", write_idx, S)
-    if raised[1]:
-        _check_index_range("read_idx", read_idx, S)
-    if cu_seqlens is not None and raised[2]:
-        _check_cu_seqlens(cu_seqlens, T)
+def _index_bounds(idx: Tensor) -> list[Tensor]:
+    """The smallest and the largest entry of ``idx`` (int64, on its device); -1 when empty."""
+    if idx.numel() == 0:
+        return [idx.new_full((), -1, dtype=torch.int64)] * 2
+    return [b.to(torch.int64) for b in torch.aminmax(idx)]
+
+
+class _DataChecks(NamedTuple):
+    """The checks that read data (the index ranges, cu_seqlens' values), eager mode only.
+
+    ``start`` reduces the indices to their smallest and largest entries and copies those and
+    cu_seqlens to the host without waiting (pinned memory), recording an event after the copy;
+    ``finish`` waits for that event alone, then raises, naming the offending value, if a check
+    fails. The work queued in between (phase 1, the bank copy) keeps the GPU busy while the
+    host waits: the stream is never drained. Callers finish before the bank is written, so a
+    rejected call changes nothing."""
+
+    values: Tensor                      # int64 on the host: write and read bounds, cu_seqlens
+    ready: torch.cuda.Event | None      # None on the CPU (values already there)
+    write_idx: Tensor
+    read_idx: Tensor
+    S: int
+    T: int
+    packed: bool
+
+    @classmethod
+    def start(cls, write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None,
+              T: int) -> _DataChecks | None:
+        if not data_checks_enabled():
+            return None
+        values = torch.stack(_index_bounds(write_idx) + _index_bounds(read_idx))
+        if cu_seqlens is not None:
+            values = torch.cat([values, cu_seqlens.to(torch.int64)])
+        ready = None
+        if values.is_cuda:
+            values = values.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(values, ready, write_idx, read_idx, S, T, cu_seqlens is not None)
+
+    def finish(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        w_lo, w_hi, r_lo, r_hi, *cu = self.values.tolist()
+        if w_lo < -1 or w_hi >= self.S:
+            _check_index_range("write_idx", self.write_idx, self.S)
+        if r_lo < -1 or r_hi >= self.S:
+            _check_index_range("read_idx", self.read_idx, self.S)
+        if self.packed:
+            _check_cu_seqlens(cu, self.T)
+
+
+def _finish(checks: _DataChecks | None) -> None:
+    if checks is not None:
+        checks.finish()
 
 
 def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
@@ -151,7 +188,7 @@ def _needs_grad(*tensors: Tensor | None) -> bool:
 
 
 def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
-    chunks, seq_chunks = (None, None) if cu_seqlens is None else varlen_chunks(
+    chunks, seq_chunks = (None, None) if cu_seqlens is None else ops.varlen_chunks(
         cu_seqlens, v.shape[1], C)
     prep = ops.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, S, C, chunks, seq_chunks)
     A, QK = prep[0], prep[1]
@@ -214,17 +251,23 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
         t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
     decay = None if decay is None else decay.contiguous()
     S, C = bank.shape[-2], chunk_size
+    inference = not _needs_grad(v, beta, write_w, read_w, bank, decay)
+    if inference:
+        # Nothing to differentiate: phase 2 runs in place on a copy of the bank and keeps no
+        # snapshot (what inference and evaluation pay). The copy goes first, so that the GPU
+        # makes it while the host launches the rest.
+        bank_out = ops.bank_copy(bank, v.shape[0] if cu_seqlens is None
+                                 else cu_seqlens.shape[0] - 1)
+    checks = _DataChecks.start(write_idx, read_idx, S, cu_seqlens, v.shape[1])
     prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
                                   cu_seqlens)
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
-    if not _needs_grad(v, beta, write_w, read_w, bank, decay):
-        # Nothing to differentiate: run phase 2 in place on a copy of the bank and keep no
-        # snapshot (what inference and evaluation pay).
-        bank_out = ops.bank_copy(bank, v.shape[0] if cu_seqlens is None
-                                 else cu_seqlens.shape[0] - 1)
+    if inference:
+        _finish(checks)
         out = ops.recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
                                   scatter_w, row_decay, rank, X, QX, *tables)
         return SDMOutput(out, bank_out)
+    _finish(checks)
     out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
                                        scatter_w, row_decay, rank, read_rank, X, QX, bank,
                                        snapshot, *tables)[:2]
@@ -254,16 +297,19 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
                 cu_seqlens, inplace=True)
     if not bank.is_contiguous():
         raise ValueError("bank must be contiguous to be updated in place")
+    checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
     v, beta, write_idx, write_w, read_idx, read_w = (
         t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
     decay = None if decay is None else decay.contiguous()
     T = v.shape[1]
     if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
+        _finish(checks)
         return ops.decode_step_(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
     C = next(c for c in CHUNK_SIZES if c >= min(T, chunk_size))
     with torch.no_grad():
         prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
                                       bank.shape[-2], C, cu_seqlens)
         _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
+        _finish(checks)
         return ops.recurrence_fwd_(bank, v, beta, write_idx, read_idx, gather_w, gather_r,
                                    scatter_w, row_decay, rank, X, QX, *tables)

@@ -19,7 +19,8 @@ import torch
 
 import sdm_ops
 from sdm_ops.kernels import recurrence_fwd
-from tests.helpers import HAS_CUDA, KERNEL_DEVICE, make_sdm_inputs, on_kernels, requires_kernels
+from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, make_packed_sdm_inputs, make_sdm_inputs,
+                           on_kernels, requires_kernels)
 
 triton = pytest.importorskip("triton")
 
@@ -36,9 +37,9 @@ def _recording(calls: list, run: bool = True):
     launch it unless ``run`` is False (``scripts/ptxas_report.py`` only records)."""
     import torch.library
     from sdm_ops.kernels import (chunk_prepare, decode_step, product_key_topk, recurrence_bwd,
-                                 recurrence_fwd, wy_solve)
+                                 recurrence_fwd, varlen, wy_solve)
     modules = [chunk_prepare, decode_step, product_key_topk, recurrence_bwd, recurrence_fwd,
-               wy_solve]
+               varlen, wy_solve]
     real = torch.library.wrap_triton
 
     def wrap(kernel):
@@ -133,6 +134,16 @@ def _launches():
                     rest = {k: v.detach() for k, v in a.items() if k != "bank"}
                     sdm_ops.sparse_delta_memory_(state, **rest)
                     sdm_ops.sparse_delta_memory_(state, **{k: v[:, :1] for k, v in rest.items()})
+        # A packed batch: the chunk tables and every phase's VARLEN branch.
+        a = make_packed_sdm_inputs([0, 7, 20, 3], H=1, D=16, S=9, W=3, R=2, seed=9,
+                                   device=KERNEL_DEVICE)
+        for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
+            a[name].requires_grad_()
+        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+        (out.sum() + bank.sum()).backward()
+        with torch.no_grad():
+            sdm_ops.sparse_delta_memory_(a["bank"].detach().clone(),
+                                         **{k: v.detach() for k, v in a.items() if k != "bank"})
         for dtype in (torch.float32, torch.bfloat16):
             raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
             sdm_ops.product_key_topk(raw, (4, 5, 3), 7).val.sum().backward()
@@ -194,6 +205,7 @@ _OUTPUTS = {
     "_recurrence_bwd_kernel": {"dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw", "p_rd"},
     "_dual_matmul_bwd_kernel": {"dX", "dQX", "dbeta"},
     "_decode_step_kernel": {"bank", "out"},
+    "_varlen_chunks_kernel": {"chunks", "seq_chunks"},
     "_fwd_diag_kernel": {"X"},
     "_fwd_panel_kernel": {"X", "QX"},
     "_bwd_panel_kernel": {"G", "W"},

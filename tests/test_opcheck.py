@@ -33,7 +33,7 @@ from sdm_ops import ops
 from sdm_ops.recurrence import _chunk_betas
 from sdm_ops.reference import (QUANT_GROUP, Prepared, dequantize_rows,
                                product_key_topk_reference, sdm_chunked_reference,
-                               sdm_token_reference, sdm_varlen_reference, varlen_chunks,
+                               sdm_token_reference, sdm_varlen_reference,
                                wy_solve_reference)
 from tests.helpers import (HAS_CUDA, assert_close, make_packed_sdm_inputs, make_raw,
                            make_sdm_inputs, make_wy_inputs, to_float64)
@@ -95,7 +95,7 @@ def recurrence_values(args: dict, chunk_size: int) -> dict:
     ``bank_rows`` and ``chunk_size``."""
     a = {k: v.contiguous() for k, v in args.items()}
     C, T = chunk_size, a["beta"].shape[1]
-    chunks, seq_chunks = (None, None) if "cu_seqlens" not in a else varlen_chunks(
+    chunks, seq_chunks = (None, None) if "cu_seqlens" not in a else ops.varlen_chunks(
         a["cu_seqlens"], T, C)
     values = dict(a, decay=a.get("decay"), bank_rows=a["bank"].shape[-2], chunk_size=C,
                   chunks=chunks, seq_chunks=seq_chunks)
@@ -380,6 +380,13 @@ def test_opcheck_product_key_topk_backward(device, factors, k, dtype):
     _, lin = ops.product_key_topk(raw, list(factors), k)
     grad_val = torch.randn(lin.shape, generator=torch.Generator().manual_seed(25)).to(device, dtype)
     opcheck(ops.product_key_topk_backward, (lin, grad_val, list(factors), dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_opcheck_varlen_chunks(device, dtype):
+    cu = torch.tensor([0, 0, 5, 21, 58, 59, 59, 79], dtype=dtype, device=device)
+    opcheck(ops.varlen_chunks, (cu, 79, 16))
 
 
 def recurrence_operands(device, T=21, C=16, packed=False) -> dict:

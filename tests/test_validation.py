@@ -164,22 +164,45 @@ def test_data_checks_name_the_first_bad_argument():
 
 @requires_cuda
 @pytest.mark.parametrize("packed", [False, True])
-def test_an_eager_call_synchronizes_the_host_once(packed):
-    # The index-range and cu_seqlens checks read data, so an eager call must wait for the
-    # device once; more would stall the launch queue more than once per call.
+def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
+    # The index-range and cu_seqlens checks read data. An eager call copies their results to
+    # pinned memory and waits on an event for them alone, with phase 1 queued behind them, so
+    # it makes no stream or device synchronization and no blocking copy; and the checks still
+    # reject bad data on the GPU before the bank is written.
     if packed:
         a = make_packed_sdm_inputs([5, 9, 3], device="cuda", seed=3)
     else:
         a = make_sdm_inputs(device="cuda", seed=3)
+    state = a["bank"].clone()
+    rest = {k: v for k, v in a.items() if k != "bank"}
     with torch.no_grad():
         sdm_ops.sparse_delta_memory(**a)        # compiles the kernels first
+        sdm_ops.sparse_delta_memory_(state, **rest)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 sdm_ops.sparse_delta_memory(**a)
+                sdm_ops.sparse_delta_memory_(state, **rest)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    # torch warns once per process that the debug mode is a prototype; only the warnings
+    # that report a synchronizing operation count.
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert syncs == []
+    S = a["bank"].shape[-2]
+    bad = dict(rest, read_idx=rest["read_idx"].masked_fill(rest["read_idx"] == 3, S))
+    assert bool((bad["read_idx"] == S).any())
+    before = state.clone()
+    with pytest.raises(ValueError, match=f"read_idx must hold -1 .* got {S}"):
+        sdm_ops.sparse_delta_memory_(state, **bad)
+    with pytest.raises(ValueError, match="read_idx"):
+        sdm_ops.sparse_delta_memory(**dict(bad, bank=a["bank"]))
+    assert torch.equal(state, before), "a rejected in-place call modified the bank"
+    if packed:
+        cu = rest["cu_seqlens"].clone()
+        cu[1] = cu[2] + 1
+        with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+            sdm_ops.sparse_delta_memory_(state, **dict(rest, cu_seqlens=cu))
+        assert torch.equal(state, before), "a rejected in-place call modified the bank"

@@ -217,6 +217,27 @@ def test_chunk_tables_stay_inside_the_batch_for_any_offsets(offsets):
 
 
 @requires_kernels
+@pytest.mark.parametrize("offsets,T,C", [
+    ([0, 0, 5, 21, 58, 59, 59, 79], 79, 16),               # LENGTHS: empty, short, exact, ...
+    ([0, 79], 79, 64), ([0, 0], 0, 16), ([0, 3], 3, 128),
+    ([0, 50, 10, 24], 24, 16), ([-7, 3, 3, 99], 24, 16), ([5, 4, 3, 2], 24, 16),
+    ([0, 24, 0, 24], 24, 16),                              # malformed: clamped as the reference
+    (list(range(0, 301, 3)), 300, 16),                    # 100 sequences: two steps of the walk
+    (sorted(torch.randint(0, 4000, (150,), generator=torch.Generator().manual_seed(5))
+            .tolist() + [0, 4000]), 4000, 32),             # 150 slots per program and then some
+])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_chunk_tables_kernel_equals_the_reference(offsets, T, C, dtype):
+    cu = torch.tensor(offsets, dtype=dtype)
+    want_chunks, want_seq = ref.varlen_chunks(cu, T, C)
+    with on_kernels():
+        chunks, seq_chunks = sdm_ops.ops.varlen_chunks(cu.to(KERNEL_DEVICE), T, C)
+    assert chunks.dtype == seq_chunks.dtype == torch.int64
+    assert torch.equal(chunks.cpu(), want_chunks), (chunks.cpu() - want_chunks).abs().max()
+    assert torch.equal(seq_chunks.cpu(), want_seq), (seq_chunks.cpu(), want_seq)
+
+
+@requires_kernels
 @pytest.mark.parametrize("W_, R_", [(0, 2), (3, 0)])
 def test_kernels_bfloat16_and_no_write_or_no_read_entries_equal_each_sequence_alone(W_, R_):
     a = make_packed_sdm_inputs([3, 18, 9], H, D, S, W_, R_, seed=14, dtype=torch.bfloat16,

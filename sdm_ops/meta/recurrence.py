@@ -1,4 +1,4 @@
-"""Fakes of the recurrence operators: ``sdm::chunk_prepare``, ``sdm::recurrence_fwd``,
+"""Fakes of the recurrence operators: ``sdm::varlen_chunks``, ``sdm::chunk_prepare``, ``sdm::recurrence_fwd``,
 ``sdm::recurrence_fwd_``, ``sdm::decode_step_`` and the backwards. Shapes follow the launchers'
 allocations (all contiguous). ``chunks`` and ``seq_chunks`` describe a packed batch (None
 otherwise)."""
@@ -29,6 +29,13 @@ def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, E: int, D: 
     if mode == "fp8":
         return rows, torch.uint8, scales      # float8_e4m3fn bit patterns
     return (B, T, H, E, D // 2), torch.uint8, scales
+
+
+def varlen_chunks_fake(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """``chunks`` [ceil(T / C) + N, 2] and ``seq_chunks`` [N + 1], int64, for N sequences."""
+    slots = (T + chunk_size - 1) // chunk_size + cu_seqlens.shape[0] - 1
+    return (cu_seqlens.new_empty((slots, 2), dtype=torch.int64),
+            cu_seqlens.new_empty((cu_seqlens.shape[0],), dtype=torch.int64))
 
 
 def chunk_slots(B: int, T: int, C: int, chunks: Tensor | None) -> tuple[int, int]:
