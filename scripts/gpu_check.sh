@@ -5,13 +5,17 @@
 # .whl/ holds the wheels the machine lacks (expecttest): see the device tool's README.
 #
 # PART picks what runs, so that each fits one device call (10 minutes):
-#   all (default)  the whole suite, then the benchmarks (a 2-GPU machine: about 380 s of tests;
-#                  with the sanitizer on the second GPU over 400 s, and then the benchmarks
-#                  do not fit the same call: NO_SANITIZE=1, and the sanitizer a call of its own)
+#   all (default)  the whole suite, then the benchmarks (a 2-GPU machine: about 380 s of tests,
+#                  435 s at 0f42eca; with the sanitizer on the second GPU over 400 s, and then
+#                  the benchmarks do not fit the same call: NO_SANITIZE=1, and the sanitizer a
+#                  call of its own)
+#   suite          the whole suite alone (a 2-GPU machine, 32 cores: 435 s at 0f42eca; give it
+#                  PYTEST_TIMEOUT=560)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s)
 #   tests          the rest of tests/ (one H200: 386 s at a0057f1; give it PYTEST_TIMEOUT=570)
 #   bench          python -m sdm_ops.bench --scaling and python -m sdm_ops.bench_topk (one H200,
-#                  fla-core carried: about 300 s; give it BENCH_TIMEOUT=420)
+#                  fla-core carried: about 300 s; give it BENCH_TIMEOUT=420; on a 2-GPU machine
+#                  at 0f42eca the bench without --scaling had not finished after 330 s)
 # pytest runs with -v into $OUT/pytest.log (so a cut run still names what finished) and
 # --durations=15.
 set -uo pipefail
@@ -35,11 +39,11 @@ if [ "$PART" = all ] && [ "$gpus" -ge 2 ] && [ -z "${NO_SANITIZE:-}" ]; then
     sanitizer=$!
 fi
 case "$PART" in
-    all) targets=(tests compile_tests) ;;
+    all|suite) targets=(tests compile_tests) ;;
     compile) targets=(compile_tests tests/test_opcheck.py) ;;
     tests) targets=(tests --deselect tests/test_opcheck.py) ;;
     bench) targets=() ;;
-    *) echo "unknown PART=$PART (all, compile, tests, bench)"; exit 2 ;;
+    *) echo "unknown PART=$PART (all, suite, compile, tests, bench)"; exit 2 ;;
 esac
 if [ "${#targets[@]}" -gt 0 ]; then
     # pytest-xdist spreads the suite (compiles dominate) over the machine's cores.
