@@ -206,3 +206,31 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
         with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
             sdm_ops.sparse_delta_memory_(state, **dict(rest, cu_seqlens=cu))
         assert torch.equal(state, before), "a rejected in-place call modified the bank"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("packed", [False, True])
+def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
+    # Triton launches on the current device; the public functions make the inputs' device
+    # current, so results on cuda:1 with cuda:0 current equal those made on cuda:0.
+    def make(device):
+        if packed:
+            return make_packed_sdm_inputs([5, 9, 3], device=device, seed=4)
+        return make_sdm_inputs(device=device, seed=4)
+
+    def run(a):
+        leaves = {k: a[k].clone().requires_grad_() for k in ("v", "bank")}
+        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves))
+        grads = torch.autograd.grad(out.sum() + bank.sum(), list(leaves.values()))
+        state = a["bank"].clone()
+        step = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"})
+        raw = torch.randn(6, 8 + 8, generator=torch.Generator().manual_seed(5)).to(a["v"].device)
+        top = sdm_ops.product_key_topk(raw, (8, 8), 4)
+        return [t.cpu() for t in (out, bank, *grads, step, state, *top)]
+
+    torch.cuda.set_device(0)
+    want = run(make("cuda:0"))
+    got = run(make("cuda:1"))
+    assert torch.cuda.current_device() == 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"result {i} differs between cuda:1 and cuda:0"
