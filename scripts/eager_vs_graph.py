@@ -21,13 +21,8 @@ from sdm_ops import bench
 
 
 def workloads(B=8, T=4096, H=8, D=64, S=65536, W=8, R=8, C=64) -> list:
-    """(name, call) of the four cases, built as ``bench.packed_vs_padded`` builds its batches."""
-    lengths = torch.linspace(T // 8, T, B).round().long()
-    lengths = (lengths * (B * T // 2) / lengths.sum()).long().clamp(1, T)
-    packed = bench.make_workload(1, int(lengths.sum()), H, D, S, W, R, decay=True,
-                                 bank_dtype=torch.float32)
-    packed["bank"] = packed["bank"].expand(B, -1, -1, -1).contiguous()
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to("cuda")
+    """(name, call) of the four cases: the bench's packed batch and the reference workload."""
+    packed, cu, _ = bench.packed_workload(B, T, H, D, S, W, R)
     padded = bench.make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
     return [("padded fwd", bench.forward_fn(padded, C)),
             ("packed fwd", bench.forward_fn(packed, C, cu_seqlens=cu)),

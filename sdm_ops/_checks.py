@@ -1,10 +1,8 @@
 """Argument checks shared by the public functions: each raises ``TypeError`` or ``ValueError``
-naming the argument, before anything is computed or written. Also the device guard the public
-functions launch under."""
+naming the argument, before anything is computed or written."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -79,14 +77,3 @@ def data_checks_enabled() -> bool:
         return False
     return True
 
-
-def on_device(t: Tensor):
-    """A context that makes ``t``'s CUDA device the current one for a public function's
-    launches (eager mode). Triton launches on the current device and PyTorch's Python dispatch
-    adds no device guard, so tensors on another GPU would otherwise reach kernels launched on
-    the wrong one. A no-op when that device is already current, on the CPU, and while
-    compiling (Inductor's generated code sets the device itself)."""
-    if (not torch.compiler.is_compiling() and t.is_cuda
-            and t.device.index != torch.cuda.current_device()):
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()

@@ -158,16 +158,25 @@ def snapshot_errors(a: dict, chunk_size: int) -> None:
         print(f"{mode:<6}{row[mode] * (W + R):>12d}" + "".join(f"{e:>10.1e}" for e in errs))
 
 
-def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
-    """A packed batch of B sequences of mixed lengths (B * T / 2 tokens in all, lengths from
-    T / 8 to T) against the same sequences padded to [B, T] (padding: index -1, weight 0):
-    forward and forward+backward times, float32 bank with decay."""
+def packed_workload(B, T, H, D, S, W, R) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(workload, cu_seqlens on the GPU, lengths on the CPU) of B sequences of mixed lengths
+    packed into one [1, B * T / 2] batch (lengths from T / 8 to T), float32 bank with decay,
+    one bank per sequence."""
     lengths = torch.linspace(T // 8, T, B).round().long()
     lengths = (lengths * (B * T // 2) / lengths.sum()).long().clamp(1, T)
-    total = int(lengths.sum())
-    packed = make_workload(1, total, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
+    packed = make_workload(1, int(lengths.sum()), H, D, S, W, R, decay=True,
+                           bank_dtype=torch.float32)
     packed["bank"] = packed["bank"].expand(B, -1, -1, -1).contiguous()
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to("cuda")
+    return packed, cu, lengths
+
+
+def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
+    """A packed batch (``packed_workload``) against the same sequences padded to [B, T]
+    (padding: index -1, weight 0): forward and forward+backward times, float32 bank with
+    decay."""
+    packed, cu, lengths = packed_workload(B, T, H, D, S, W, R)
+    total = int(lengths.sum())
     padded = make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
     pad = torch.arange(T, device="cuda")[None, :] >= lengths.to("cuda")[:, None]   # [B, T]
     for k in ("write_idx", "read_idx"):

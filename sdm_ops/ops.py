@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from . import reference
-from .kernels._common import use_kernels
+from .kernels._common import on_device, use_kernels
 from .meta import product_key_topk as product_key_topk_meta
 from .meta import recurrence as recurrence_meta
 from .meta import wy_solve as wy_solve_meta
@@ -58,7 +58,8 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
     if use_kernels(A):
         from .kernels import wy_solve as k
         X, QX = A.new_empty(A.shape), A.new_empty(A.shape)
-        k.wy_solve_fwd(A, beta, QK, X, QX)
+        with on_device(A):
+            k.wy_solve_fwd(A, beta, QK, X, QX)
         return X, QX
     return _wy_solve_reference(A, beta, QK)
 
@@ -81,7 +82,8 @@ def wy_solve_backward(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor
     if use_kernels(A):
         from .kernels import wy_solve as k
         dA, dbeta, dQK = A.new_empty(A.shape), beta.new_empty(beta.shape), A.new_empty(A.shape)
-        k.wy_solve_bwd(A, beta, QK, X, dX, dQX, dA, dbeta, dQK)
+        with on_device(A):
+            k.wy_solve_bwd(A, beta, QK, X, dX, dQX, dA, dbeta, dQK)
         return dA, dbeta, dQK
     return _wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
 
@@ -126,8 +128,9 @@ def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, T
         from .kernels import product_key_topk as kern
         val = raw.new_empty(shape)
         lin = raw.new_empty(shape, dtype=torch.int64)
-        kern.product_key_topk_fwd(raw.reshape(-1, raw.shape[-1]), list(factors), k,
-                                  val.view(-1, kk), lin.view(-1, kk))
+        with on_device(raw):
+            kern.product_key_topk_fwd(raw.reshape(-1, raw.shape[-1]), list(factors), k,
+                                      val.view(-1, kk), lin.view(-1, kk))
         return val, lin
     return _product_key_topk_reference(raw, factors, k)
 
@@ -153,8 +156,9 @@ def product_key_topk_backward(lin: Tensor, grad_val: Tensor, factors: list[int],
         from .kernels import product_key_topk as kern
         grad = grad_val.new_empty((*lin.shape[:-1], width), dtype=dtype)
         kk = lin.shape[-1]
-        kern.product_key_topk_bwd(lin.reshape(-1, kk), grad_val.reshape(-1, kk), list(factors),
-                                  grad.view(-1, width))
+        with on_device(lin):
+            kern.product_key_topk_bwd(lin.reshape(-1, kk), grad_val.reshape(-1, kk), list(factors),
+                                      grad.view(-1, width))
         return grad
     return _product_key_topk_backward_reference(lin, grad_val, factors, dtype)
 
@@ -203,7 +207,8 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
     if use_kernels(cu_seqlens):
         from .kernels import varlen as k
         chunks, seq_chunks = recurrence_meta.varlen_chunks_fake(cu_seqlens, T, chunk_size)
-        k.varlen_chunks(cu_seqlens, T, chunk_size, chunks, seq_chunks)
+        with on_device(cu_seqlens):
+            k.varlen_chunks(cu_seqlens, T, chunk_size, chunks, seq_chunks)
         return chunks, seq_chunks
     return _varlen_chunks_reference(cu_seqlens, T, chunk_size)
 
@@ -243,8 +248,9 @@ def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: 
         from .kernels import chunk_prepare as k
         outs = recurrence_meta.chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay,
                                                   bank_rows, chunk_size, chunks, seq_chunks)
-        k.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks,
-                        *outs)
+        with on_device(write_idx):
+            k.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size,
+                            chunks, *outs)
         return outs
     return _chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows,
                                     chunk_size, chunks, seq_chunks)
@@ -294,9 +300,10 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
             v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
             read_rank, X, QX, bank, snapshot, chunks, seq_chunks)
         bank_out = bank_copy(bank, v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1)
-        k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                         rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot,
-                         chunks, seq_chunks)
+        with on_device(v):
+            k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
+                             rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot,
+                             chunks, seq_chunks)
         return out, bank_out, snap, snap_scale, res, delta
     return _recurrence_fwd_reference(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
                                      row_decay, rank, read_rank, X, QX, bank, snapshot, chunks,
@@ -335,9 +342,10 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
     if use_kernels(v):
         from .kernels import recurrence_fwd as k
         out = v.new_empty(v.shape)
-        k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                         rank, X, QX, bank, out, None, None, None, None, None, chunks,
-                         seq_chunks)
+        with on_device(v):
+            k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
+                             rank, X, QX, bank, out, None, None, None, None, None, chunks,
+                             seq_chunks)
         return out
     return _recurrence_fwd_inplace_reference(bank, v, beta, write_idx, read_idx, gather_w,
                                              gather_r, scatter_w, row_decay, rank, X, QX, chunks,
@@ -371,7 +379,8 @@ def decode_step_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, write
     if use_kernels(v):
         from .kernels import decode_step as k
         out = v.new_empty(v.shape)
-        k.decode_step(bank, v, beta, write_idx, write_w, read_idx, read_w, decay, out)
+        with on_device(v):
+            k.decode_step(bank, v, beta, write_idx, write_w, read_idx, read_w, decay, out)
         return out
     return _decode_step_reference(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
 
@@ -441,10 +450,11 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
             dbank.zero_()
         else:
             dbank.copy_(dbank_out)
-        dgw, dgr, dsw, drd = k.recurrence_bwd(
-            beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, res, delta, snap, snap_scale, snapshot, dout, dbank, dv, dX, dQX, dbeta,
-            chunks, seq_chunks)
+        with on_device(res):
+            dgw, dgr, dsw, drd = k.recurrence_bwd(
+                beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
+                read_rank, X, QX, res, delta, snap, snap_scale, snapshot, dout, dbank, dv, dX,
+                dQX, dbeta, chunks, seq_chunks)
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
     return _recurrence_bwd_reference(beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
                                      row_decay, rank, read_rank, X, QX, res, delta, bank_rows, snap,
@@ -522,9 +532,10 @@ def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor,
         dww, drw, ddc = recurrence_meta.chunk_prepare_backward_fake(
             write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w,
             d_gather_r, d_scatter_w, d_row_decay, chunks, seq_chunks)
-        k.chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
-                            d_gather_w, d_gather_r, d_scatter_w, d_row_decay, dww,
-                            None if decay is None else ddc, drw, chunks)
+        with on_device(dA):
+            k.chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
+                                d_gather_w, d_gather_r, d_scatter_w, d_row_decay, dww,
+                                None if decay is None else ddc, drw, chunks)
         return dww, drw, ddc
     return _chunk_prepare_backward_reference(write_idx, write_w, read_idx, read_w, decay,
                                              bank_rows, dA, dQK, d_gather_w, d_gather_r,

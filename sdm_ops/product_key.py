@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import check_int, check_tensor, on_device
+from ._checks import check_int, check_tensor
 
 MAX_FACTORS = 4
 MAX_K = 256
@@ -72,8 +72,7 @@ def product_key_topk(raw: Tensor, factors: Sequence[int], k: int) -> TopK:
     if raw.dim() < 1 or raw.shape[-1] != sum(dims):
         raise ValueError(f"raw must have sum(factors) = {sum(dims)} columns in its last "
                          f"dimension, got shape {list(raw.shape)}")
-    with on_device(raw):
-        val, lin = ops.product_key_topk(raw.contiguous(), list(dims), k)
+    val, lin = ops.product_key_topk(raw.contiguous(), list(dims), k)
     return TopK(val, lin)
 
 

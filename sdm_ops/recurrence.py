@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import ops
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
-                      check_tensor, data_checks_enabled, on_device)
+                      check_tensor, data_checks_enabled)
 from .reference import SNAPSHOT_MODES
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -29,7 +29,7 @@ class SDMOutput(NamedTuple):
 
 
 def _check_index_range(name: str, idx: Tensor, S: int) -> None:
-    """Every entry of ``idx`` is -1 (padding) or in [0, S); reads data (see ``_check_data``)."""
+    """Every entry of ``idx`` is -1 (padding) or in [0, S); reads data (see ``_DataChecks``)."""
     bad = (idx < -1) | (idx >= S)
     if bool(bad.any()):
         pos = tuple(int(i) for i in bad.nonzero()[0])
@@ -250,32 +250,30 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     """
     _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
                 cu_seqlens, inplace=False)
-    with on_device(v):
-        v, beta, write_idx, write_w, read_idx, read_w, bank = (
-            t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
-        decay = None if decay is None else decay.contiguous()
-        S, C = bank.shape[-2], chunk_size
-        inference = not _needs_grad(v, beta, write_w, read_w, bank, decay)
-        if inference:
-            # Nothing to differentiate: phase 2 runs in place on a copy of the bank and keeps no
-            # snapshot (what inference and evaluation pay). The copy goes first, so that the GPU
-            # makes it while the host launches the rest.
-            bank_out = ops.bank_copy(bank, v.shape[0] if cu_seqlens is None
-                                     else cu_seqlens.shape[0] - 1)
-        checks = _DataChecks.start(write_idx, read_idx, S, cu_seqlens, v.shape[1])
-        prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
-                                      cu_seqlens)
-        _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
-        if inference:
-            _finish(checks)
-            out = ops.recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
-                                      scatter_w, row_decay, rank, X, QX, *tables)
-            return SDMOutput(out, bank_out)
-        _finish(checks)
-        out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
-                                           scatter_w, row_decay, rank, read_rank, X, QX, bank,
-                                           snapshot, *tables)[:2]
+    v, beta, write_idx, write_w, read_idx, read_w, bank = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
+    decay = None if decay is None else decay.contiguous()
+    S, C = bank.shape[-2], chunk_size
+    inference = not _needs_grad(v, beta, write_w, read_w, bank, decay)
+    if inference:
+        # Nothing to differentiate: phase 2 runs in place on a copy of the bank and keeps no
+        # snapshot (what inference and evaluation pay). The copy goes first, so that the GPU
+        # makes it while the host launches the rest.
+        bank_out = ops.bank_copy(bank, v.shape[0] if cu_seqlens is None
+                                 else cu_seqlens.shape[0] - 1)
+    checks = _DataChecks.start(write_idx, read_idx, S, cu_seqlens, v.shape[1])
+    prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
+                                  cu_seqlens)
+    _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
+    _finish(checks)
+    if inference:
+        out = ops.recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
+                                  scatter_w, row_decay, rank, X, QX, *tables)
         return SDMOutput(out, bank_out)
+    out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
+                                       scatter_w, row_decay, rank, read_rank, X, QX, bank,
+                                       snapshot, *tables)[:2]
+    return SDMOutput(out, bank_out)
 
 
 def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor,
@@ -301,20 +299,19 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
                 cu_seqlens, inplace=True)
     if not bank.is_contiguous():
         raise ValueError("bank must be contiguous to be updated in place")
-    with on_device(bank):
-        checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
-        v, beta, write_idx, write_w, read_idx, read_w = (
-            t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
-        decay = None if decay is None else decay.contiguous()
-        T = v.shape[1]
-        if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
-            _finish(checks)
-            return ops.decode_step_(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
-        C = next(c for c in CHUNK_SIZES if c >= min(T, chunk_size))
-        with torch.no_grad():
-            prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
-                                          bank.shape[-2], C, cu_seqlens)
-            _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
-            _finish(checks)
-            return ops.recurrence_fwd_(bank, v, beta, write_idx, read_idx, gather_w, gather_r,
-                                       scatter_w, row_decay, rank, X, QX, *tables)
+    checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
+    v, beta, write_idx, write_w, read_idx, read_w = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
+    decay = None if decay is None else decay.contiguous()
+    T = v.shape[1]
+    if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
+        _finish(checks)
+        return ops.decode_step_(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
+    C = next(c for c in CHUNK_SIZES if c >= min(T, chunk_size))
+    with torch.no_grad():
+        prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
+                                      bank.shape[-2], C, cu_seqlens)
+        _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
+        _finish(checks)
+        return ops.recurrence_fwd_(bank, v, beta, write_idx, read_idx, gather_w, gather_r,
+                                   scatter_w, row_decay, rank, X, QX, *tables)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import check_same_device, check_shape, check_tensor, on_device
+from ._checks import check_same_device, check_shape, check_tensor
 
 
 class WYSolution(NamedTuple):
@@ -43,6 +43,5 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> WYSolution:
     check_shape("beta", beta, (n, c), "[N, C]")
     check_shape("QK", QK, (n, c, c), "[N, C, C]")
     check_same_device({"A": A, "beta": beta, "QK": QK})
-    with on_device(A):
-        X, QX = ops.wy_solve(A.contiguous(), beta.contiguous(), QK.contiguous())
+    X, QX = ops.wy_solve(A.contiguous(), beta.contiguous(), QK.contiguous())
     return WYSolution(X, QX)

@@ -211,8 +211,8 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("packed", [False, True])
 def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
-    # Triton launches on the current device; the public functions make the inputs' device
-    # current, so results on cuda:1 with cuda:0 current equal those made on cuda:0.
+    # Triton launches on the current device; the operators make their inputs' device current
+    # while they launch, so results on cuda:1 with cuda:0 current equal those made on cuda:0.
     def make(device):
         if packed:
             return make_packed_sdm_inputs([5, 9, 3], device=device, seed=4)

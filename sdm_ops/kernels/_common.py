@@ -36,3 +36,15 @@ def kernels_on_cpu():
 def use_kernels(t: torch.Tensor) -> bool:
     """Whether an operator on ``t`` launches its Triton kernels (else it runs the reference)."""
     return t.is_cuda or (_ON_CPU.get() and t.device.type == "cpu")
+
+
+def on_device(t: torch.Tensor):
+    """A context that makes ``t``'s CUDA device the current one while an operator launches its
+    kernels. Triton launches on the current device and PyTorch's Python dispatch adds no device
+    guard, so tensors on another GPU would otherwise reach kernels launched on the wrong one.
+    A no-op when that device is already current, on the CPU, and while compiling (Inductor's
+    generated code sets the device itself)."""
+    if (not torch.compiler.is_compiling() and t.is_cuda
+            and t.device.index != torch.cuda.current_device()):
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
