@@ -53,14 +53,23 @@ def kernel_launches(fn) -> int:
 
 
 def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0,
-                  dev: str = "cuda"):
+                  dev: str = "cuda", hot: int | None = None):
+    """Random inputs of the recurrence; every index uniform over the S slots, or with ``hot``
+    over a fixed random set of ``hot`` of them (addressing that favours some slots, as a
+    trained model's may)."""
     g = torch.Generator(device=dev).manual_seed(seed)
+    slots = None if hot is None else torch.randperm(S, device=dev, generator=g)[:hot]
+
+    def idx(*shape):
+        if slots is None:
+            return torch.randint(0, S, shape, device=dev, generator=g)
+        return slots[torch.randint(0, hot, shape, device=dev, generator=g)]
     args = dict(
         v=torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16),
         beta=torch.rand(B, T, H, device=dev, generator=g),
-        write_idx=torch.randint(0, S, (B, T, H, W), device=dev, generator=g),
+        write_idx=idx(B, T, H, W),
         write_w=torch.rand(B, T, H, W, device=dev, generator=g) / W ** 0.5,
-        read_idx=torch.randint(0, S, (B, T, H, R), device=dev, generator=g),
+        read_idx=idx(B, T, H, R),
         read_w=torch.rand(B, T, H, R, device=dev, generator=g) / R ** 0.5,
         bank=(torch.randn(B, H, S, D, device=dev, generator=g) * 0.1).to(bank_dtype),
     )
@@ -289,6 +298,46 @@ def fla_peers(B, T, H, D) -> tuple[list[tuple[str, float, float]], list[tuple[st
     return rows, missing
 
 
+def shared_entries(a: dict, chunk_size: int) -> torch.Tensor:
+    """Per chunk ([B, H, N]), how many of its entries (write and read, padding aside) name a
+    slot that another entry of the chunk names too: the entries phase 1 must pair. Chunks with
+    more than ``chunk_prepare.COMPACT`` of them take the dense kernels."""
+    idx = torch.cat([a["write_idx"], a["read_idx"]], dim=-1)         # [B, T, H, E]
+    B, T, H, E = idx.shape
+    C = chunk_size
+    N = -(-T // C)
+    idx = torch.nn.functional.pad(idx, (0, 0, 0, 0, 0, N * C - T), value=-1)
+    idx = idx.view(B, N, C, H, E).permute(0, 3, 1, 2, 4).reshape(B, H, N, C * E)
+    s = idx.sort(dim=-1).values
+    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+    shared = torch.zeros_like(s, dtype=torch.bool)
+    shared[..., 1:] |= dup
+    shared[..., :-1] |= dup
+    return shared.sum(-1)
+
+
+def addressing(shape, reps: int = 3) -> None:
+    """Forward and forward+backward as a chunk's entries share more slots: chunk sizes 32 to
+    128 over the whole bank, and chunk 64 over hot sets of S / 16 and S / 256 slots (float32
+    bank, decay), with the share of chunks that overflow phase 1's sparse path."""
+    from .kernels.chunk_prepare import COMPACT
+    B, T, H, D, S, W, R = shape
+    print(f"addressing: float32 bank, decay; indices uniform over a hot set of slots; a chunk "
+          f"with more than {COMPACT} shared entries runs phase 1's dense kernels")
+    print(f"{'hot slots':>10}{'chunk':>6}{'shared/chunk':>13}{'dense chunks':>13}"
+          f"{'fwd ms':>9}{'fwd+bwd ms':>12}")
+    for hot, C in ((S, 32), (S, 64), (S, 128), (S // 16, 64), (S // 256, 64)):
+        a = make_workload(*shape, decay=True, bank_dtype=torch.float32, hot=hot)
+        count = shared_entries(a, C)
+        dense = (count > COMPACT).float().mean().item()
+        ms = _time_ms(forward_fn(a, C), reps=reps, warmup=1)
+        bwd_ms = _time_ms(forward_backward_fn(a, C), reps=reps, warmup=1)
+        print(f"{hot:>10}{C:>6}{count.float().mean().item():>13.1f}{dense:>13.1%}{ms:>9.3f}"
+              f"{bwd_ms:>12.3f}", flush=True)
+        del a
+        torch.cuda.empty_cache()
+
+
 def scaling(args) -> None:
     """Forward and forward+backward over T, S and D (B = 1, H = 8, float32 bank, decay)."""
     print("scaling: B=1 H=8 W=8 R=8 C=64, float32 bank, decay")
@@ -321,6 +370,8 @@ def main(argv=None) -> int:
                         help="skip the packed-versus-padded (cu_seqlens) comparison")
     parser.add_argument("--scaling", action="store_true",
                         help="also print the scaling table over T, S and D")
+    parser.add_argument("--addressing", action="store_true",
+                        help="also print the table over chunk sizes and hot slot sets")
     parser.add_argument("--profile", action="store_true",
                         help="only print where forward+backward time goes, kernel by kernel")
     args = parser.parse_args(argv)
@@ -399,6 +450,8 @@ def main(argv=None) -> int:
         print(f"peer {name} skipped: {why} (pip install fla-core)")
     if not args.no_packed:
         packed_vs_padded(*shape, args.chunk_size)
+    if args.addressing:
+        addressing(shape)
     if args.scaling:
         scaling(args)
     return 0

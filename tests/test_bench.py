@@ -20,3 +20,25 @@ def test_floors_count_every_tensor_once(decay):
     # Forward+backward: also the output and bank gradients read (64 + 256), the float inputs'
     # gradients written (344 + d), both index tensors again (32), every entry's row again (256).
     assert bench.floor_bytes_fwd_bwd(a) == 1080 + d + 320 + 344 + d + 32 + 256
+
+
+def test_shared_entries_counts_the_entries_that_meet_another_on_a_slot():
+    # One stream, chunks of 2 tokens: tokens 0 and 1 name slots 5, 7 | 5 and 9, -1 | 3 (write |
+    # read): the two entries on slot 5 share it; token 2 holds padding only (as does the pad
+    # past T), which shares nothing however often it repeats.
+    a = {"write_idx": torch.tensor([[5, 7], [9, -1], [-1, -1]]).view(1, 3, 1, 2),
+         "read_idx": torch.tensor([[5], [3], [-1]]).view(1, 3, 1, 1)}
+    assert bench.shared_entries(a, 2).tolist() == [[[2, 0]]]
+    # Chunks of 4 tokens: one chunk, the same two entries.
+    assert bench.shared_entries(a, 4).tolist() == [[[2]]]
+
+
+def test_a_hot_workload_names_only_its_hot_slots():
+    a = bench.make_workload(2, 64, 2, 16, 4096, 4, 4, decay=False, bank_dtype=torch.float32,
+                            dev="cpu", hot=8)
+    slots = torch.cat([a["write_idx"].flatten(), a["read_idx"].flatten()]).unique()
+    assert len(slots) == 8 and slots.min() >= 0 and slots.max() < 4096
+    # Without hot, the indices spread over the whole bank.
+    b = bench.make_workload(2, 64, 2, 16, 4096, 4, 4, decay=False, bank_dtype=torch.float32,
+                            dev="cpu")
+    assert len(torch.cat([b["write_idx"].flatten(), b["read_idx"].flatten()]).unique()) > 8
