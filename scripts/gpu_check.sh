@@ -9,13 +9,15 @@
 #                  435 s at 0f42eca; with the sanitizer on the second GPU over 400 s, and then
 #                  the benchmarks do not fit the same call: NO_SANITIZE=1, and the sanitizer a
 #                  call of its own)
-#   suite          the whole suite alone (a 2-GPU machine, 32 cores: 435 s at 0f42eca; give it
-#                  PYTEST_TIMEOUT=560)
+#   suite          the whole suite alone (a 2-GPU machine, 32 cores: 435 s at 0f42eca, 385 s at
+#                  8941e40; give it PYTEST_TIMEOUT=560)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s)
 #   tests          the rest of tests/ (one H200: 386 s at a0057f1; give it PYTEST_TIMEOUT=570)
-#   bench          python -m sdm_ops.bench --scaling and python -m sdm_ops.bench_topk (one H200,
-#                  fla-core carried: about 300 s; give it BENCH_TIMEOUT=420; on a 2-GPU machine
-#                  at 0f42eca the bench without --scaling had not finished after 330 s)
+#   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
+#                  (one H200, fla-core carried: about 300 s before --addressing, which adds about
+#                  a minute; give it BENCH_TIMEOUT=480; on a 2-GPU machine the bench without
+#                  either table had not finished after 330 s at 0f42eca, nor after 290 s at
+#                  f609cb8, both times cut after the decode step, timing the fla-core peers)
 # pytest runs with -v into $OUT/pytest.log (so a cut run still names what finished) and
 # --durations=15.
 set -uo pipefail
@@ -54,7 +56,8 @@ if [ "${#targets[@]}" -gt 0 ]; then
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -20
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m sdm_ops.bench --scaling 2>&1 | tee "$OUT/bench.log"
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m sdm_ops.bench --addressing --scaling 2>&1 \
+        | tee "$OUT/bench.log"
     timeout 60 python3 -m sdm_ops.bench_topk 2>&1 | tee "$OUT/bench_topk.log"
 fi
 if [ -n "$sanitizer" ]; then
