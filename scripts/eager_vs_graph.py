@@ -6,8 +6,7 @@ Per case: "eager", one call timed by events around it with the GPU idle before
 time until the call returns (GPU idle before); "syncs", the synchronizing operations torch's
 sync debug mode reports in one call. The packed batch is the bench's (8 sequences, 16380
 tokens); the padded one is the reference workload, float32 bank with decay. (Entry 16's figures
-came from this script's first, untidied form: the same calls and timings; this form has not run
-on a GPU yet.)"""
+came from this script's first, untidied form: the same calls and timings.)"""
 
 from __future__ import annotations
 

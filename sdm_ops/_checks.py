@@ -76,4 +76,3 @@ def data_checks_enabled() -> bool:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
     return True
-

@@ -1,7 +1,7 @@
-"""Fakes of the recurrence operators: ``sdm::varlen_chunks``, ``sdm::chunk_prepare``, ``sdm::recurrence_fwd``,
-``sdm::recurrence_fwd_``, ``sdm::decode_step_`` and the backwards. Shapes follow the launchers'
-allocations (all contiguous). ``chunks`` and ``seq_chunks`` describe a packed batch (None
-otherwise)."""
+"""Fakes of the recurrence operators: ``sdm::varlen_chunks``, ``sdm::chunk_prepare``,
+``sdm::recurrence_fwd``, ``sdm::recurrence_fwd_``, ``sdm::decode_step_`` and the backwards.
+Shapes follow the launchers' allocations (all contiguous). ``chunks`` and ``seq_chunks``
+describe a packed batch (None otherwise)."""
 
 from __future__ import annotations
 
