@@ -298,10 +298,12 @@ def fla_peers(B, T, H, D) -> tuple[list[tuple[str, float, float]], list[tuple[st
     return rows, missing
 
 
-def shared_entries(a: dict, chunk_size: int) -> torch.Tensor:
-    """Per chunk ([B, H, N]), how many of its entries (write and read, padding aside) name a
-    slot that another entry of the chunk names too: the entries phase 1 must pair. Chunks with
-    more than ``chunk_prepare.COMPACT`` of them take the dense kernels."""
+def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk ([B, H, N] each): how many of its entries (write and read, padding aside)
+    name a slot that another entry of the chunk names too (the entries phase 1 must pair), and
+    the most entries on one slot. A chunk with more than ``chunk_prepare.COMPACT`` entries in
+    one hash bucket (on one slot, unless two slots share a hash) takes phase 1's dense
+    kernels."""
     idx = torch.cat([a["write_idx"], a["read_idx"]], dim=-1)         # [B, T, H, E]
     B, T, H, E = idx.shape
     C = chunk_size
@@ -313,7 +315,11 @@ def shared_entries(a: dict, chunk_size: int) -> torch.Tensor:
     shared = torch.zeros_like(s, dtype=torch.bool)
     shared[..., 1:] |= dup
     shared[..., :-1] |= dup
-    return shared.sum(-1)
+    # An entry's place in its run of equal slots: its index less the index of the run's start.
+    at = torch.arange(s.shape[-1], device=s.device).expand_as(s)
+    start = torch.where(torch.nn.functional.pad(dup, (1, 0), value=False), 0, at)
+    run = at - start.cummax(-1).values + 1
+    return shared.sum(-1), torch.where(s >= 0, run, 0).amax(-1)
 
 
 def addressing(shape, reps: int = 3) -> None:
@@ -323,13 +329,13 @@ def addressing(shape, reps: int = 3) -> None:
     from .kernels.chunk_prepare import COMPACT
     B, T, H, D, S, W, R = shape
     print(f"addressing: float32 bank, decay; indices uniform over a hot set of slots; a chunk "
-          f"with more than {COMPACT} shared entries runs phase 1's dense kernels")
+          f"with more than {COMPACT} entries on one slot runs phase 1's dense kernels")
     print(f"{'hot slots':>10}{'chunk':>6}{'shared/chunk':>13}{'dense chunks':>13}"
           f"{'fwd ms':>9}{'fwd+bwd ms':>12}")
     for hot, C in ((S, 32), (S, 64), (S, 128), (S // 16, 64), (S // 256, 64)):
         a = make_workload(*shape, decay=True, bank_dtype=torch.float32, hot=hot)
-        count = shared_entries(a, C)
-        dense = (count > COMPACT).float().mean().item()
+        count, most = shared_entries(a, C)
+        dense = (most > COMPACT).float().mean().item()
         ms = _time_ms(forward_fn(a, C), reps=reps, warmup=1)
         bwd_ms = _time_ms(forward_backward_fn(a, C), reps=reps, warmup=1)
         print(f"{hot:>10}{C:>6}{count.float().mean().item():>13.1f}{dense:>13.1%}{ms:>9.3f}"

@@ -28,9 +28,16 @@ def test_shared_entries_counts_the_entries_that_meet_another_on_a_slot():
     # past T), which shares nothing however often it repeats.
     a = {"write_idx": torch.tensor([[5, 7], [9, -1], [-1, -1]]).view(1, 3, 1, 2),
          "read_idx": torch.tensor([[5], [3], [-1]]).view(1, 3, 1, 1)}
-    assert bench.shared_entries(a, 2).tolist() == [[[2, 0]]]
+    shared, most = bench.shared_entries(a, 2)
+    assert shared.tolist() == [[[2, 0]]] and most.tolist() == [[[2, 0]]]
     # Chunks of 4 tokens: one chunk, the same two entries.
-    assert bench.shared_entries(a, 4).tolist() == [[[2]]]
+    shared, most = bench.shared_entries(a, 4)
+    assert shared.tolist() == [[[2]]] and most.tolist() == [[[2]]]
+    # Three entries on slot 3 and two on slot 9 in one chunk: 5 shared, at most 3 on a slot.
+    a["write_idx"][0, 2, 0] = torch.tensor([3, 9])
+    a["read_idx"][0, 0, 0, 0] = 3
+    shared, most = bench.shared_entries(a, 4)
+    assert shared.tolist() == [[[5]]] and most.tolist() == [[[3]]]
 
 
 def test_a_hot_workload_names_only_its_hot_slots():

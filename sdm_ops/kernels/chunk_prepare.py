@@ -28,10 +28,11 @@ A packed batch (``cu_seqlens``; B = 1) has chunk slots instead of chunks: the ta
 are [1, H, NC, C, C], and the grid is (NC, H, C // BJ); an unused slot has no tokens, so its
 tiles are written zero.
 
-Two paths compute it. The sparse path (the end of this file: a sort kernel and a pairs kernel
-per direction) pairs only the entries that share a slot, which in a large bank are few; it
-takes every chunk with at most MC such entries. The dense kernels below take the rest ("heavy"
-chunks; every chunk where the geometry has no sparse path): grid (N, B * H, C // BJ), a program
+Two paths compute it. The sparse path (the end of this file: a sort kernel and pairs kernels
+per direction) pairs only the entries that share a slot, which in a large bank are few, a
+window of whole hash buckets at a time; it takes every chunk whose buckets hold at most MC
+entries each. The dense kernels below take the rest ("heavy" chunks; every chunk where the
+geometry has no sparse path): grid (N, B * H, C // BJ), a program
 owns BJ tokens ("own" entries: their W write and R read entries) of one chunk and walks the
 chunk's C tokens in order, matching each token's entries against its own, and writes the
 columns of its tokens in A and QK and its entries' weights. Launched after the sparse path, a
@@ -86,12 +87,12 @@ def _chunk_prepare_kernel(
     T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr, MC: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
-    if SPARSE:   # the sparse path has done every chunk but the heavy ones
-        if tl.load(shared_count + p * tl.num_programs(0) + n) <= MC:
+    if SPARSE:   # the sparse path has done every chunk but the heavy ones (count -1)
+        if tl.load(shared_count + p * tl.num_programs(0) + n) >= 0:
             return
     j0 = tl.program_id(2) * BJ
     h = p % H
@@ -203,7 +204,7 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
     wrap_triton(_chunk_prepare_kernel)[(N, P, C // bj)](
         *common, write_idx if shared is None else shared, T, H, bank_rows,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, MC=_compact(W, R, C),
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
 
@@ -243,12 +244,12 @@ def _chunk_prepare_bwd_kernel(
     T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr, MC: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
     if SPARSE:
-        if tl.load(shared_count + p * tl.num_programs(0) + n) <= MC:
+        if tl.load(shared_count + p * tl.num_programs(0) + n) >= 0:
             return
     j0 = tl.program_id(2) * BJ
     h = p % H
@@ -408,7 +409,7 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
     wrap_triton(_chunk_prepare_bwd_kernel)[(N, P, C // bj)](
         *common, write_idx if shared is None else shared, T, H, bank_rows,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, MC=_compact(W, R, C),
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
 
@@ -429,12 +430,17 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
 #    alone on their slot ("lone") and need no pairing: a lone write entry has gather_w = w d,
 #    scatter_w = w, row_decay = d, rank 0 (gradients dw = dgw d + dsw, dd = dgw w + drd); a
 #    lone read entry has gather_r = w, read_rank 0 (dw = dgr). The kernel writes those, and the
-#    positions of the others ("shared", m of them, in sorted order) into a compact list of MC.
-#    With m > MC the chunk is "heavy" and left to the dense kernels whole.
+#    positions of the others ("shared", m of them, in sorted order, so that a bucket's entries
+#    are side by side) into the chunk's compact list. A chunk with a bucket of more than MC
+#    entries is "heavy": its count is stored as -1 and the dense kernels take it whole.
 # 2. Pairs (``_chunk_pairs_kernel``, and its backward twin) form everything of the compact
 #    list's entries with [MC, MC] tiles, comparing their real slots (two slots may share a
-#    hash). One slot's entries appear in position order; with D_x the product of a token's
-#    decays on the slot, carried by the token's first write entry x (1 on every other entry),
+#    hash). Entries pair only inside a bucket, so the list is taken in windows of at most MC
+#    entries that end where a bucket does (a chunk of a small bank or of addressing that
+#    favours some slots has hundreds of shared entries in many small buckets); A and QK sum
+#    the windows' terms in window order. One slot's entries appear in position order; with
+#    D_x the product of a token's decays on the slot, carried by the token's first write entry
+#    x (1 on every other entry),
 #
 #      Gamma[a, b] = prod_{b < x <= a, same slot} D_x      (a cumulative product down columns)
 #      gather_w[a] = w_a prod_{x <= a} D_x     scatter_w[a] = w_a prod_{x > a} D_x   (same slot)
@@ -444,16 +450,15 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
 #    the last two as dots with one-hot token matrices, so each element of A and QK is one
 #    fixed sum. Products are still formed by multiplication only.
 
-COMPACT = 64           # MC: shared entries per chunk that the sparse path takes (a power of 2)
+COMPACT = 32           # MC: the pairs kernel's window, the largest bucket it takes (a power of 2)
 SPARSE_ENTRIES = 2048  # the sparse path runs when a chunk has at most this many entry positions
 _SORT_WARPS = 8
-_PAIR_TIER = 32      # the first tier's compact list
 
 
 def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
     """(EM, NP, KB, MC) of the sparse path: entries per token side, entry positions per chunk
-    (2 ** KB) and compact list size; None when the sparse path is off (COMPACT < 16) or a chunk
-    has too many positions for it."""
+    (2 ** KB) and window size; None when the sparse path is off (COMPACT < 16) or a chunk has
+    too many positions for it."""
     em = triton.next_power_of_2(max(W, R, 1))
     np_ = 2 * em * C
     if np_ > SPARSE_ENTRIES or COMPACT < 16:
@@ -461,35 +466,28 @@ def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
     return em, np_, np_.bit_length() - 1, min(COMPACT, np_)
 
 
-def _compact(W: int, R: int, C: int) -> int:
-    """MC of the geometry (0 without a sparse path)."""
-    geo = sparse_geometry(W, R, C)
-    return 0 if geo is None else geo[3]
-
-
 def _sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags, device):
-    """Launch the sparse path's two kernels over every chunk; returns the number of shared
-    entries per chunk (int32 [P, N]; the dense kernels take the chunks past MC), or None when
+    """Launch the sparse path's kernels over every chunk; returns the number of shared entries
+    per chunk (int32 [P, N], -1 for a heavy chunk, which the dense kernels take), or None when
     the geometry has no sparse path (the dense kernels then do every chunk)."""
     geo = sparse_geometry(W, R, C)
     if geo is None:
         return None
     em, np_, kb, mc = geo
     shared = torch.empty(P, N, dtype=torch.int32, device=device)
-    compact = torch.empty(P, N, mc, dtype=torch.int32, device=device)
+    compact = torch.empty(P, N, np_, dtype=torch.int32, device=device)
     sizes = dict(W=W, R=R, EM=em, NP=np_, KB=kb, MC=mc, C=C, **flags)
     if backward:
         sort, pairs = wrap_triton(_chunk_sort_bwd_kernel), wrap_triton(_chunk_pairs_bwd_kernel)
     else:
         sort, pairs = wrap_triton(_chunk_sort_kernel), wrap_triton(_chunk_pairs_kernel)
     sort[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS)
-    # Two tiers: most chunks have few shared entries and take small tiles (few registers, many
-    # programs per SM); the rest up to MC take full ones.
-    lo = -1
-    for tier in sorted({min(_PAIR_TIER, mc), mc}):
-        pairs[(N, P)](*common, shared, compact, T, H, bank_rows, **{**sizes, "MC": tier}, LO=lo,
-                      CAP=mc, num_warps=4 if tier <= 32 else 8)
-        lo = tier
+    # Two tiers by shared entries (LO < m <= HI): most chunks have at most MC and take one
+    # window, straight code; the rest take a loop over windows (more registers: ptxas spills
+    # when its windows are 64 entries, hence MC = 32).
+    for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
+        pairs[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, LO=lo, HI=hi,
+                      num_warps=4 if mc <= 32 else 8)
     return shared
 
 
@@ -533,42 +531,55 @@ def _position(pos, EM: tl.constexpr):
 
 
 @triton.jit
-def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr):
+def _bucket(raw, HB: tl.constexpr):
+    """The hash bucket (HB bits) of valid slots ``raw`` (int64); never the one of all ones,
+    which the sort keeps for invalid entries."""
+    NONE: tl.constexpr = (1 << HB) - 1
+    bucket = ((raw * 0x9E3779B1) >> 20) & NONE
+    return tl.where(bucket == NONE, 0, bucket).to(tl.int32)
+
+
+@triton.jit
+def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr, MC: tl.constexpr):
     """Sort a chunk's entries (indices ``raw`` [NP] by position) by slot hash.
 
     Returns the sorted positions, which of them share a hash bucket with another entry (every
-    entry that shares a slot does; invalid entries never do) and each one's place among those
-    (an exclusive running count)."""
+    entry that shares a slot does; invalid entries never do), each one's place among those (an
+    exclusive running count), and the chunk's count of them, or -1 when a bucket holds more
+    than MC entries (the chunk is heavy)."""
     HB: tl.constexpr = 30 - KB
     NONE: tl.constexpr = (1 << HB) - 1                 # the invalid entries' bucket
     i = tl.arange(0, NP)
     ok = exists & (raw >= 0) & (raw < S)
-    bucket = ((raw * 0x9E3779B1) >> 20) & ((1 << HB) - 1)
-    bucket = tl.where(ok, tl.where(bucket == NONE, 0, bucket), NONE).to(tl.int32)
+    bucket = tl.where(ok, _bucket(raw, HB), NONE)
     keys = _sort((bucket << KB) | i, NP)
     b = keys >> KB
     prev = tl.gather(b, tl.maximum(i - 1, 0), 0)
     nxt = tl.gather(b, tl.minimum(i + 1, NP - 1), 0)
     shared = (b != NONE) & (((i > 0) & (prev == b)) | ((i < NP - 1) & (nxt == b)))
     place = tl.cumsum(shared.to(tl.int32), 0) - shared.to(tl.int32)
-    return keys & (NP - 1), shared, place
+    # Sorted, a bucket of more than MC entries holds two entries MC places apart.
+    back = tl.gather(b, tl.maximum(i - MC, 0), 0)
+    heavy = tl.sum(((b != NONE) & (i >= MC) & (back == b)).to(tl.int32), 0) > 0
+    m = tl.where(heavy, -1, tl.sum(shared.to(tl.int32), 0))
+    return keys & (NP - 1), shared, place, m
 
 
 @triton.jit
-def _publish(shared_count, compact, chunk, m, pos, shared, place, MC: tl.constexpr):
-    """Store a chunk's shared-entry count and the positions of its first MC shared entries."""
+def _publish(shared_count, compact, chunk, m, pos, shared, place, NP: tl.constexpr):
+    """Store a chunk's shared-entry count (-1: heavy) and its shared entries' positions."""
     tl.store(shared_count + chunk, m)
-    tl.store(compact + chunk.to(tl.int64) * MC + place, pos, mask=shared & (place < MC))
+    tl.store(compact + chunk.to(tl.int64) * NP + place, pos, mask=shared & (m >= 0))
 
 
 @triton.jit
 def _lone_entries(pos, shared, m, tok0, count, h, H, W: tl.constexpr, R: tl.constexpr,
-                  EM: tl.constexpr, MC: tl.constexpr):
+                  EM: tl.constexpr):
     """Offsets of the sorted entries in [B, T, H, W] and [B, T, H, R] tensors, and which are
-    existing lone write / read entries of a chunk that is not heavy."""
+    existing lone write / read entries of a chunk that is not heavy (``m`` >= 0)."""
     tok, is_read, j = _position(pos, EM)
     row = (tok0 + tok) * H + h
-    lone = (m <= MC) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
+    lone = (m >= 0) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
     return row * W + j, row * R + j, lone & ~is_read, lone & is_read
 
 
@@ -594,12 +605,11 @@ def _chunk_sort_kernel(
     raw = tl.where(is_read,
                    tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
                    tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
-    pos, shared, place = _shared_entries(raw, exists, S, NP, KB)
-    m = tl.sum(shared.to(tl.int32), 0)
-    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, MC)
+    pos, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
+    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
 
     # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
-    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM, MC)
+    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM)
     raw_w = tl.load(write_idx + wo, mask=lone_w, other=-1)
     raw_r = tl.load(read_idx + ro, mask=lone_r, other=-1)
     ok_w = lone_w & (raw_w >= 0) & (raw_w < S)
@@ -640,12 +650,11 @@ def _chunk_sort_bwd_kernel(
     raw = tl.where(is_read,
                    tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
                    tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
-    pos, shared, place = _shared_entries(raw, exists, S, NP, KB)
-    m = tl.sum(shared.to(tl.int32), 0)
-    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, MC)
+    pos, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
+    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
 
     # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
-    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM, MC)
+    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM)
     raw_w = tl.load(write_idx + wo, mask=lone_w, other=-1)
     raw_r = tl.load(read_idx + ro, mask=lone_r, other=-1)
     ok_w = lone_w & (raw_w >= 0) & (raw_w < S)
@@ -688,42 +697,68 @@ def _pairs(same, lower, tok, is_read):
     return same & lower & (~is_read[None, :]) & (is_read[:, None] | (tok[:, None] > tok[None, :]))
 
 
+# Inductor finds what a user kernel writes by following each store's address back through
+# the kernel's IR, stopping at loads, but not at the results of a helper's call: an address
+# (or a loop's window start) made from what a helper loaded makes the tensors it loaded from
+# look written. So every index below is loaded in the function that stores through it, the
+# window's bounds in the kernel body; the helpers that return offsets only compute.
+
+
 @triton.jit
-def _chunk_pairs_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
-    T, H, S,
-    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
-    MC: tl.constexpr, LO: tl.constexpr, CAP: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    h = p % H
-    chunk = p * tl.num_programs(0) + n
-    m = tl.load(shared_count + chunk)
-    if (m > MC) | (m <= LO):   # another tier's chunk
-        return
-    if VARLEN:   # loaded here: see _tiles.bank_slots
-        tok0 = tl.load(chunks + 2 * n)
-        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
-    else:
-        tok0, count = dense_chunk(n, p, T, H, C)
-    a = tl.arange(0, MC)
-    ok = a < m
-    tok, is_read, j = _position(tl.load(compact + chunk.to(tl.int64) * CAP + a, mask=ok, other=0), EM)
+def _entry_offsets(pos, tok0, h, H, W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr):
+    """(tok, is_read, j, wo, ro) of entry positions: chunk token, side, entry number, and the
+    entry's offsets in [B, T, H, W] and [B, T, H, R] tensors."""
+    tok, is_read, j = _position(pos, EM)
     row = (tok0 + tok) * H + h
-    wo = row * W + j
-    ro = row * R + j
-    ok_w = ok & ~is_read
-    ok_r = ok & is_read
-    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok_r, other=-1).to(tl.int64),
-                    tl.load(write_idx + wo, mask=ok_w, other=-1).to(tl.int64))
-    w = tl.where(is_read, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32),
+    return tok, is_read, j, row * W + j, row * R + j
+
+
+@triton.jit
+def _window_size(slot, slot_after, more, size, KB: tl.constexpr, MC: tl.constexpr):
+    """Entries in the window of a chunk's compact list that starts at entry s (which starts a
+    bucket): ``size`` = min(MC, entries left), or, when the entry after the window (``more``:
+    there is one; its slot ``slot_after``) is in the bucket of the window's last entry, the
+    entries before that bucket, which a later window holds whole (no bucket of a chunk that is
+    not heavy exceeds MC entries). ``slot`` [MC]: the window's slots."""
+    HB: tl.constexpr = 30 - KB
+    a = tl.arange(0, MC)
+    bucket = _bucket(slot.to(tl.int64), HB)
+    last = tl.sum(tl.where(a == MC - 1, bucket, 0), 0)
+    starts = (a > 0) & (bucket != tl.gather(bucket, tl.maximum(a - 1, 0), 0))
+    cut = tl.max(tl.where(starts, a, 0), 0)
+    return tl.where(more & (_bucket(slot_after.to(tl.int64), HB) == last), cut, size)
+
+
+@triton.jit
+def _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC: tl.constexpr,
+             HAS_DECAY: tl.constexpr):
+    """(w, d) of a window's entries: the write or read weight, and a write entry's decay."""
+    w = tl.where(ok_r, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32),
                  tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32))
     if HAS_DECAY:
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
     else:
         d = tl.full((MC,), 1.0, tl.float32)
+    return w, d
+
+
+@triton.jit
+def _pairs_window(write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
+                  row_decay, rank, read_rank, compact, chunk, s, size, tok0, h, H, a_acc, q_acc,
+                  W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
+                  MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """The window of ``size`` entries of the compact list from entry s (``_window_size``): stores
+    its entries' weights, decays and ranks; returns A and QK ([C, C] each) with its terms added
+    to ``a_acc`` and ``q_acc``."""
+    a = tl.arange(0, MC)
+    ok = a < size
+    pos = tl.load(compact + chunk.to(tl.int64) * NP + s + a, mask=ok, other=0)
+    tok, is_read, j, wo, ro = _entry_offsets(pos, tok0, h, H, W, R, EM)
+    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok & is_read, other=-1).to(tl.int64),
+                    tl.load(write_idx + wo, mask=ok & ~is_read, other=-1).to(tl.int64))
+    ok_w = ok & ~is_read
+    ok_r = ok & is_read
+    w, d = _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC, HAS_DECAY)
     same, lower, group, dg, first, gam = _runs(slot, tok, is_read, ok, d, MC)
     pincl = _rowprod_scan(tl.where(same & (a[None, :] <= a[:, None]), dg[None, :], 1.0), MC)
     sexcl = _rowprod_scan(tl.where(same & (a[None, :] > a[:, None]), dg[None, :], 1.0), MC)
@@ -738,13 +773,67 @@ def _chunk_pairs_kernel(
     # A and QK: the pairs' terms summed per (token, token) by one-hot dots.
     pm = tl.where(_pairs(same, lower, tok, is_read), w[:, None] * w[None, :] * gam, 0.0)
     cols = tl.arange(0, C)
-    at = tok[:, None] == cols[None, :]                                          # [MC, C]
+    at = (tok[:, None] == cols[None, :]) & ok[:, None]                          # [MC, C]
     by_col = tl.dot(pm, at.to(tl.float32), input_precision="ieee")             # [MC, C]
-    a_rows = tl.dot(tl.trans((at & ~is_read[:, None]).to(tl.float32)), by_col, input_precision="ieee")
-    q_rows = tl.dot(tl.trans((at & is_read[:, None]).to(tl.float32)), by_col, input_precision="ieee")
+    a_acc = tl.dot(tl.trans((at & ~is_read[:, None]).to(tl.float32)), by_col, a_acc,
+                   input_precision="ieee")
+    q_acc = tl.dot(tl.trans((at & is_read[:, None]).to(tl.float32)), by_col, q_acc,
+                   input_precision="ieee")
+    return a_acc, q_acc
+
+
+@triton.jit
+def _chunk_pairs_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
+    T, H, S,
+    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
+    MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
+    HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    chunk = p * tl.num_programs(0) + n
+    m = tl.load(shared_count + chunk)
+    if (m > HI) | (m <= LO):   # another tier's chunk, or a heavy one (-1)
+        return
+    if VARLEN:   # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+    else:
+        tok0, _ = dense_chunk(n, p, T, H, C)
+    cols = tl.arange(0, C)
     tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
-    tl.store(A + tile, a_rows)
-    tl.store(QK + tile, q_rows)
+    a_acc = tl.zeros((C, C), tl.float32)
+    q_acc = tl.zeros((C, C), tl.float32)
+    if HI <= MC:   # one window
+        a_acc, q_acc = _pairs_window(
+            write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
+            row_decay, rank, read_rank, compact, chunk, 0, m, tok0, h, H, a_acc, q_acc,
+            W, R, EM, NP, MC, C, HAS_DECAY)
+    else:          # windows in list order, their terms summed into A and QK in that order
+        base = compact + chunk.to(tl.int64) * NP
+        a = tl.arange(0, MC)
+        s = 0
+        while s < m:
+            inside = s + a < m
+            more = s + MC < m
+            _, is_read, _, wo, ro = _entry_offsets(tl.load(base + s + a, mask=inside, other=0),
+                                                   tok0, h, H, W, R, EM)
+            _, is_read_n, _, wo_n, ro_n = _entry_offsets(
+                tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
+            slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
+                            tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
+            slot_n = tl.where(is_read_n, tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
+                              tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
+            size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
+            a_acc, q_acc = _pairs_window(
+                write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
+                row_decay, rank, read_rank, compact, chunk, s, size, tok0, h, H, a_acc, q_acc,
+                W, R, EM, NP, MC, C, HAS_DECAY)
+            s += tl.maximum(size, 1)
+    tl.store(A + tile, a_acc)
+    tl.store(QK + tile, q_acc)
 
 
 # The pairs' backward, in the compact list's terms (x, a, c on one slot; c a write group's first
@@ -763,42 +852,22 @@ def _chunk_pairs_kernel(
 
 
 @triton.jit
-def _chunk_pairs_bwd_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w, shared_count, compact,
-    T, H, S,
-    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
-    MC: tl.constexpr, LO: tl.constexpr, CAP: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    h = p % H
-    chunk = p * tl.num_programs(0) + n
-    m = tl.load(shared_count + chunk)
-    if (m > MC) | (m <= LO):
-        return
-    if VARLEN:   # loaded here: see _tiles.bank_slots
-        tok0 = tl.load(chunks + 2 * n)
-        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
-    else:
-        tok0, count = dense_chunk(n, p, T, H, C)
+def _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_gather_w,
+                      d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
+                      compact, chunk, s, size, tok0, h, H,
+                      W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
+                      MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """The window of ``size`` entries of the compact list from entry s (``_window_size``) in
+    the pairs' backward: stores its entries' gradients."""
     a = tl.arange(0, MC)
-    ok = a < m
-    tok, is_read, j = _position(tl.load(compact + chunk.to(tl.int64) * CAP + a, mask=ok, other=0), EM)
-    row = (tok0 + tok) * H + h
-    wo = row * W + j
-    ro = row * R + j
+    ok = a < size
+    pos = tl.load(compact + chunk.to(tl.int64) * NP + s + a, mask=ok, other=0)
+    tok, is_read, j, wo, ro = _entry_offsets(pos, tok0, h, H, W, R, EM)
+    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok & is_read, other=-1).to(tl.int64),
+                    tl.load(write_idx + wo, mask=ok & ~is_read, other=-1).to(tl.int64))
     ok_w = ok & ~is_read
     ok_r = ok & is_read
-    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok_r, other=-1).to(tl.int64),
-                    tl.load(write_idx + wo, mask=ok_w, other=-1).to(tl.int64))
-    w = tl.where(is_read, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32),
-                 tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32))
-    if HAS_DECAY:
-        d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
-    else:
-        d = tl.full((MC,), 1.0, tl.float32)
+    w, d = _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC, HAS_DECAY)
     dgw = tl.load(d_gather_w + wo, mask=ok_w, other=0.0).to(tl.float32)
     dsw = tl.load(d_scatter_w + wo, mask=ok_w, other=0.0).to(tl.float32)
     drd = tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32)
@@ -814,6 +883,53 @@ def _chunk_pairs_bwd_kernel(
     if HAS_DECAY:
         tl.store(d_decay + wo, dd, mask=ok_w)
     tl.store(d_read_w + ro, dw, mask=ok_r)
+
+
+@triton.jit
+def _chunk_pairs_bwd_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+    d_write_w, d_decay, d_read_w, shared_count, compact,
+    T, H, S,
+    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
+    MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
+    HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+):
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    chunk = p * tl.num_programs(0) + n
+    m = tl.load(shared_count + chunk)
+    if (m > HI) | (m <= LO):
+        return
+    if VARLEN:   # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+    else:
+        tok0, _ = dense_chunk(n, p, T, H, C)
+    if HI <= MC:   # one window
+        _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_gather_w,
+                          d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
+                          compact, chunk, 0, m, tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
+    else:          # the forward's windows (see _chunk_pairs_kernel)
+        base = compact + chunk.to(tl.int64) * NP
+        a = tl.arange(0, MC)
+        s = 0
+        while s < m:
+            inside = s + a < m
+            more = s + MC < m
+            _, is_read, _, wo, ro = _entry_offsets(tl.load(base + s + a, mask=inside, other=0),
+                                                   tok0, h, H, W, R, EM)
+            _, is_read_n, _, wo_n, ro_n = _entry_offsets(
+                tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
+            slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
+                            tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
+            slot_n = tl.where(is_read_n, tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
+                              tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
+            size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
+            _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_gather_w,
+                              d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
+                              compact, chunk, s, size, tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
+            s += tl.maximum(size, 1)
 
 
 @triton.jit
