@@ -484,10 +484,12 @@ def _sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags
     sort[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS)
     # Two tiers by shared entries (LO < m <= HI): most chunks have at most MC and take one
     # window, straight code; the rest take a loop over windows (more registers: ptxas spills
-    # when its windows are 64 entries, hence MC = 32).
+    # when its windows are 64 entries, hence MC = 32). The forward holds A and QK ([C, C]
+    # each) across the loop: 8 warps hold them without spilling where 4 spilled 680 bytes
+    # (chunk 64) and 43 KB (chunk 128) a thread; a chunk of 128 takes 8 warps in both tiers.
     for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
         pairs[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, LO=lo, HI=hi,
-                      num_warps=4 if mc <= 32 else 8)
+                      num_warps=8 if C >= 128 or hi > mc else 4)
     return shared
 
 
