@@ -21,9 +21,10 @@ import sys
 import tempfile
 
 _WORKER = r"""
-import sys, torch
+import os, sys, torch
 from sdm_ops import bench, ops, recurrence
 bank_dtype, path = sys.argv[1], sys.argv[2]
+assert bench.__file__.startswith(os.getcwd() + os.sep), bench.__file__   # this copy's package
 a = bench.make_workload(8, 4096, 8, 64, 65536, 8, 8, decay=True,
                         bank_dtype=getattr(torch, bank_dtype))
 S = a["bank"].shape[-2]
@@ -74,9 +75,13 @@ def main() -> None:
         for r in range(args.rounds):
             for v in args.variants:
                 path = os.path.join(tmp, f"{r}-{os.path.basename(v.rstrip('/'))}.pt")
-                env = dict(os.environ, PYTHONPATH=os.path.abspath(v))
+                # Run from the copy's own directory: ``python -c`` puts the working directory
+                # first on sys.path, ahead of PYTHONPATH, so from the repository root every
+                # variant would import the working tree's package.
+                here = os.path.abspath(v)
+                env = dict(os.environ, PYTHONPATH=here)
                 subprocess.run([sys.executable, "-c", _WORKER, args.bank_dtype, path], env=env,
-                               check=True)
+                               cwd=here, check=True)
                 got = torch.load(path)
                 results.setdefault(v, got)
                 fwd, ip, bwd = got["ms"]
