@@ -18,6 +18,10 @@
 #                  a minute; give it BENCH_TIMEOUT=480; on a 2-GPU machine the bench without
 #                  either table had not finished after 330 s at 0f42eca, nor after 290 s at
 #                  f609cb8, both times cut after the decode step, timing the fla-core peers)
+#   ab             python scripts/ab_phase2.py over the package copies named in AB (default
+#                  ".ab/main .ab/new"), float32 then bfloat16 bank, ROUNDS rounds (default 2);
+#                  make each copy here with `mkdir -p .ab/NAME && git archive REV sdm_ops |
+#                  tar -x -C .ab/NAME` and carry .ab (one H200; a few minutes)
 # pytest runs with -v into $OUT/pytest.log (so a cut run still names what finished) and
 # --durations=15.
 set -uo pipefail
@@ -44,8 +48,8 @@ case "$PART" in
     all|suite) targets=(tests compile_tests) ;;
     compile) targets=(compile_tests tests/test_opcheck.py) ;;
     tests) targets=(tests --deselect tests/test_opcheck.py) ;;
-    bench) targets=() ;;
-    *) echo "unknown PART=$PART (all, suite, compile, tests, bench)"; exit 2 ;;
+    bench|ab) targets=() ;;
+    *) echo "unknown PART=$PART (all, suite, compile, tests, bench, ab)"; exit 2 ;;
 esac
 if [ "${#targets[@]}" -gt 0 ]; then
     # pytest-xdist spreads the suite (compiles dominate) over the machine's cores.
@@ -59,6 +63,13 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     timeout "${BENCH_TIMEOUT:-300}" python3 -m sdm_ops.bench --addressing --scaling 2>&1 \
         | tee "$OUT/bench.log"
     timeout 60 python3 -m sdm_ops.bench_topk 2>&1 | tee "$OUT/bench_topk.log"
+fi
+if [ "$PART" = ab ]; then
+    # shellcheck disable=SC2086  # AB is a list of paths
+    for dtype in float32 bfloat16; do
+        timeout "${AB_TIMEOUT:-270}" python3 scripts/ab_phase2.py ${AB:-.ab/main .ab/new} \
+            --bank-dtype "$dtype" --rounds "${ROUNDS:-2}" 2>&1 | tee -a "$OUT/ab.log"
+    done
 fi
 if [ -n "$sanitizer" ]; then
     wait "$sanitizer"
