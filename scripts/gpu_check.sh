@@ -10,12 +10,14 @@
 #                  the benchmarks do not fit the same call: NO_SANITIZE=1, and the sanitizer a
 #                  call of its own)
 #   suite          the whole suite alone (a 2-GPU machine, 32 cores: 435 s at 0f42eca, 385 s at
-#                  8941e40; give it PYTEST_TIMEOUT=560)
+#                  8941e40, 426 s at 653682b with the sanitizer on the other GPU; give it
+#                  PYTEST_TIMEOUT=540)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s)
 #   tests          the rest of tests/ (one H200: 386 s at a0057f1; give it PYTEST_TIMEOUT=570)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
-#                  (one H200, fla-core carried: about 300 s before --addressing, which adds about
-#                  a minute; give it BENCH_TIMEOUT=480; on a 2-GPU machine the bench without
+#                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
+#                  run with --addressing reached only its second addressing row in 370 s, so
+#                  the tables want calls of their own; on a 2-GPU machine the bench without
 #                  either table had not finished after 330 s at 0f42eca, nor after 290 s at
 #                  f609cb8, both times cut after the decode step, timing the fla-core peers)
 #   ab             python scripts/ab_phase2.py over the package copies named in AB (default

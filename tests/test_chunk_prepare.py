@@ -113,8 +113,9 @@ def test_the_paths_split_chunks_and_both_run(heavy_flags):
 
 
 def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypatch):
-    """A small bank: most of a chunk's 128 entries share a slot, in buckets of a few entries, so the sparse path takes every chunk in several windows of 16 (and the
-    forward sums A and QK over them), with no chunk left to the dense path."""
+    """A small bank: most of a chunk's 128 entries share a slot, in buckets of a few entries,
+    so the sparse path takes every chunk in several windows of 16 (and the forward sums A and
+    QK over them), with no chunk left to the dense path."""
     seen, set_compact = heavy_flags
     set_compact(16)
     windows = []
