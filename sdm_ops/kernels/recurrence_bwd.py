@@ -19,8 +19,9 @@ dots and the dM updates); otherwise it goes in steps over tiles of TB tokens wit
 between them. dM is updated in passes by the entries' rank within their slot (write entries,
 then read entries), separated by barriers: one writer per row at a time, in entry order, so
 the result is bitwise deterministic (on the one-tile path every pass after the first is an
-atomic add, and each chunk loads the write indices of the chunk after it in the walk while its
-own gathers are in flight). ``_dual_matmul_bwd_kernel`` then forms dX = ddelta u^T,
+atomic add; each chunk loads the write indices and the write entries' snapshot rows of the
+chunk after it in the walk while its own work is in flight, and every read-only operand of a
+chunk before the chunk's first store, which a later load would wait for: PERF_NOTES 20). ``_dual_matmul_bwd_kernel`` then forms dX = ddelta u^T,
 dQX = dout u^T and dbeta = du . res per chunk over all D columns, its dots in tf32x3 (three
 tensor-core products: about float32's accuracy at a third of the FMA dots' time).
 
@@ -121,6 +122,11 @@ def _recurrence_bwd_kernel(
         ltok, ltok_ok = token_rows(ltok0, h, H, lcount, ci)
         lwent, lwm = entry_offsets(ltok, ltok_ok, W, WP)
         next_w = tl.load(write_idx + lwent, mask=lwm, other=-1)
+        # ... and its snapshot rows (the snapshot is read-only here, so the rows of the chunk
+        # before can be in flight during a chunk's dependent chain).
+        _, lok = bank_slots(next_w, lwm, S)
+        next_m0 = _load_snapshot(snap, snap_scale, snapshot_entries(ltok, 0, W + R, WP), lok,
+                                 c0, cols, D, BD, MODE)
     for nn in range(lo, hi):
         n = lo + hi - 1 - nn
         if VARLEN:
@@ -145,38 +151,47 @@ def _recurrence_bwd_kernel(
             ntok, ntok_ok = token_rows(ntok0, h, H, ncount, ci)
             nwent, nwm = entry_offsets(ntok, ntok_ok, W, WP)
             next_w = tl.load(write_idx + nwent, mask=nwm, other=-1)
+            m0 = next_m0
+            _, nok = bank_slots(next_w, nwm, S)
+            next_m0 = _load_snapshot(snap, snap_scale, snapshot_entries(ntok, 0, W + R, WP),
+                                     nok, c0, cols, D, BD, MODE)
             rk = tl.load(rank + went, mask=ok, other=-1)
             first = ok & (rk == 0)
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
-            m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok, c0,
-                                cols, D, BD, MODE)
             dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                          other=0.0)
+            # Every read-only load of the chunk before its first store (a load after a store
+            # waits for it: the compiler cannot tell they do not alias).
+            bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+            gw = tl.load(gather_w + went, mask=ok, other=0.0)
+            rd = tl.load(row_decay + went, mask=first, other=1.0)
+            rent, rm = entry_offsets(tok, tok_ok, R, RP)
+            q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
+            xo = x_base + ci[None, :] * C + ci[:, None]             # X^T
+            xt = tl.load(X + xo)
+            if HAS_DOUT:
+                do = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
+                             other=0.0).to(tl.float32)
+                qxt = tl.load(QX + xo)
+                qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok,
+                                       c0, cols, D, BD, MODE)
+                rrk = tl.load(read_rank + rent, mask=qok, other=-1)
+                rg = tl.load(gather_r + rent, mask=qok, other=0.0)
             dd = tl.sum(sw[:, :, None] * dm1, 1)
             tl.store(ddelta + tok[:, None] * D + cols[None, :], dd, mask=tok_ok[:, None])
             tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
             tl.store(p_rd + went, tl.where(first, tl.sum(dm1 * m0, 2), 0.0),
                      mask=wm)
-            xo = x_base + ci[None, :] * C + ci[:, None]             # X^T
-            duu = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
+            duu = tl.dot(xt, dd, input_precision="ieee")
             if HAS_DOUT:
-                do = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                             other=0.0).to(tl.float32)
-                duu = tl.dot(tl.load(QX + xo), do, duu, input_precision="ieee")
+                duu = tl.dot(qxt, do, duu, input_precision="ieee")
             tl.store(du + tok[:, None] * D + cols[None, :], duu, mask=tok_ok[:, None])
-            bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
             tl.store(dv + tok[:, None] * D + cols[None, :],
                      (bb[:, None] * duu).to(dv.dtype.element_ty), mask=tok_ok[:, None])
             dret = -bb[:, None] * duu
             tl.store(p_gw + went, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
-            rent, rm = entry_offsets(tok, tok_ok, R, RP)
-            q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
             if HAS_DOUT:
-                qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok,
-                                       c0, cols, D, BD, MODE)
                 tl.store(p_gr + rent, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
-            gw = tl.load(gather_w + went, mask=ok, other=0.0)
-            rd = tl.load(row_decay + went, mask=first, other=1.0)
             gterm = gw[:, :, None] * dret[:, None, :]
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
             tl.debug_barrier()          # every load of dM at the chunk's end precedes a store
@@ -185,9 +200,8 @@ def _recurrence_bwd_kernel(
                 tl.debug_barrier()
                 tl.atomic_add(dptr, gterm, mask=(ok & (rk == k))[:, :, None], sem="relaxed")
             if HAS_DOUT:
-                rrk = tl.load(read_rank + rent, mask=qok, other=-1)
                 rpass = tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0)
-                rterm = tl.load(gather_r + rent, mask=qok, other=0.0)[:, :, None] * do[:, None, :]
+                rterm = rg[:, :, None] * do[:, None, :]
                 rptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
                 for k in range(0, rpass):
                     tl.debug_barrier()
