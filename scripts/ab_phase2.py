@@ -9,7 +9,8 @@ copy, the in-place forward, and the backward with its dbank copy, dual matmul an
 of 10 calls each), checks that two backward calls agree bitwise, and samples 4096 positions of
 every output and gradient; then it prints each variant's largest difference from the first's
 at those positions, relative to the first's largest sampled magnitude.
-Usage: ``python scripts/ab_phase2.py .ab/base .ab/new [--bank-dtype bfloat16] [--rounds 2]``.
+Usage: ``python scripts/ab_phase2.py .ab/base .ab/new [--bank-dtype bfloat16] [--rounds 2]
+[--snapshot fp8]`` (the in-place forward keeps no snapshot in any mode).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tempfile
 _WORKER = r"""
 import os, sys, torch
 from sdm_ops import bench, ops, recurrence
-bank_dtype, path = sys.argv[1], sys.argv[2]
+bank_dtype, path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 assert bench.__file__.startswith(os.getcwd() + os.sep), bench.__file__   # this copy's package
 a = bench.make_workload(8, 4096, 8, 64, 65536, 8, 8, decay=True,
                         bank_dtype=getattr(torch, bank_dtype))
@@ -32,7 +33,7 @@ prep, X, QX, _ = recurrence._phase1(a["v"], a["beta"], a["write_idx"], a["write_
                                      a["read_idx"], a["read_w"], a["decay"], S, 64, None)
 _, _, gw, gr, sw, rd, rank, read_rank = prep
 fwd_in = (a["v"], a["beta"], a["write_idx"], a["read_idx"], gw, gr, sw, rd, rank, read_rank, X,
-          QX, a["bank"], "none")
+          QX, a["bank"], mode)
 out, bank_out, snap, scale, res, delta = ops.recurrence_fwd(*fwd_in)
 fwd_ms = bench._time_ms(lambda: ops.recurrence_fwd(*fwd_in), reps=10)
 work = a["bank"].clone()
@@ -45,7 +46,7 @@ g = torch.Generator(device="cuda").manual_seed(3)
 dout = torch.randn(out.shape, device="cuda", generator=g)
 dbank = torch.randn(bank_out.shape, device="cuda", generator=g)
 bwd_in = (a["beta"], a["write_idx"], a["read_idx"], gw, gr, sw, rd, rank, read_rank, X, QX, res,
-          delta, S, snap, scale, "none", dout, dbank, a["v"].dtype)
+          delta, S, snap, scale, mode, dout, dbank, a["v"].dtype)
 grads = ops.recurrence_bwd(*bwd_in)
 same = all(torch.equal(x, y) for x, y in zip(grads, ops.recurrence_bwd(*bwd_in)))
 bwd_ms = bench._time_ms(lambda: ops.recurrence_bwd(*bwd_in), reps=10)
@@ -65,11 +66,13 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help="directories holding an sdm_ops copy")
     parser.add_argument("--bank-dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=1, help="time every variant this often")
+    parser.add_argument("--snapshot", default="none", choices=["none", "bf16", "fp8", "int4"],
+                        help="the forward's snapshot mode, which the backward reads")
     args = parser.parse_args()
     import torch
     results = {}
     print(f"phase 2 alone, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = 64, {args.bank_dtype} "
-          "bank, snapshot none (ms, median of 10)")
+          f"bank, snapshot {args.snapshot} (ms, median of 10)")
     print(f"{'variant':<24}{'forward':>9}{'in place':>10}{'backward':>10}  backward bitwise")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -80,8 +83,8 @@ def main() -> None:
                 # variant would import the working tree's package.
                 here = os.path.abspath(v)
                 env = dict(os.environ, PYTHONPATH=here)
-                subprocess.run([sys.executable, "-c", _WORKER, args.bank_dtype, path], env=env,
-                               cwd=here, check=True)
+                subprocess.run([sys.executable, "-c", _WORKER, args.bank_dtype, path,
+                                args.snapshot], env=env, cwd=here, check=True)
                 got = torch.load(path)
                 results.setdefault(v, got)
                 fwd, ip, bwd = got["ms"]
