@@ -21,9 +21,10 @@ then read entries), separated by barriers: one writer per row at a time, in entr
 the result is bitwise deterministic (on the one-tile path every pass after the first is an
 atomic add; each chunk loads the write indices and the write entries' snapshot rows of the
 chunk after it in the walk while its own work is in flight, and every read-only operand of a
-chunk before the chunk's first store, which a later load would wait for: PERF_NOTES 20). ``_dual_matmul_bwd_kernel`` then forms dX = ddelta u^T,
-dQX = dout u^T and dbeta = du . res per chunk over all D columns, its dots in tf32x3 (three
-tensor-core products: about float32's accuracy at a third of the FMA dots' time).
+chunk before the chunk's first store, which a later load would wait for: PERF_NOTES 20).
+``_dual_matmul_bwd_kernel`` then forms dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per
+chunk over all D columns, its dots in tf32x3 (three tensor-core products: about float32's
+accuracy at a third of the FMA dots' time).
 
 Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (written);
 dv [B, T, H, D] (v's dtype); partials [D // 16, B, T, H, W or R] float32 (those of the read
