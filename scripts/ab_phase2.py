@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
+
+from _ab import largest_difference, run_variant
 
 _WORKER = r"""
 import os, sys, torch
@@ -70,7 +70,6 @@ def main() -> None:
                         help="the forward's snapshot mode, which the backward reads")
     parser.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     args = parser.parse_args()
-    import torch
     results = {}
     print(f"phase 2 alone, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = {args.chunk_size}, "
           f"{args.bank_dtype} bank, snapshot {args.snapshot} (ms, median of 10)")
@@ -79,22 +78,14 @@ def main() -> None:
         for r in range(args.rounds):
             for v in args.variants:
                 path = os.path.join(tmp, f"{r}-{os.path.basename(v.rstrip('/'))}.pt")
-                # Run from the copy's own directory: ``python -c`` puts the working directory
-                # first on sys.path, ahead of PYTHONPATH, so from the repository root every
-                # variant would import the working tree's package.
-                here = os.path.abspath(v)
-                env = dict(os.environ, PYTHONPATH=here)
-                subprocess.run([sys.executable, "-c", _WORKER, args.bank_dtype, path,
-                                args.snapshot, str(args.chunk_size)], env=env, cwd=here,
-                               check=True)
-                got = torch.load(path)
+                got = run_variant(v, _WORKER, [args.bank_dtype, path, args.snapshot,
+                                               str(args.chunk_size)], path)
                 results.setdefault(v, got)
                 fwd, ip, bwd = got["ms"]
                 print(f"{v:<24}{fwd:>9.3f}{ip:>10.3f}{bwd:>10.3f}  {got['bitwise']}", flush=True)
     first = results[args.variants[0]]["samples"]
     for v in args.variants[1:]:
-        worst = max(((results[v]["samples"][k] - x).abs().max() / x.abs().max().clamp(min=1e-30))
-                    .item() for k, x in first.items())
+        worst = largest_difference(first, results[v]["samples"])
         print(f"{v}: largest sampled difference from {args.variants[0]}: {worst:.2e} of the "
               "largest sampled value")
 

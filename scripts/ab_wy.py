@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
+
+from _ab import largest_difference, run_variant
 
 _WORKER = r"""
 import math, os, sys, torch
@@ -53,7 +53,6 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", help="directories holding an sdm_ops copy")
     parser.add_argument("--rounds", type=int, default=1, help="time every variant this often")
     args = parser.parse_args()
-    import torch
     results = {}
     print("WY solve alone, forward and backward ms (median of 20)")
     print(f"{'variant':<24}{'C':>5}{'chunks':>8}{'forward':>9}{'backward':>10}  backward bitwise")
@@ -61,10 +60,7 @@ def main() -> None:
         for r in range(args.rounds):
             for v in args.variants:
                 path = os.path.join(tmp, f"{r}-{os.path.basename(v.rstrip('/'))}.pt")
-                here = os.path.abspath(v)    # its own directory first on sys.path: ab_phase2.py
-                subprocess.run([sys.executable, "-c", _WORKER, path], check=True, cwd=here,
-                               env=dict(os.environ, PYTHONPATH=here))
-                got = torch.load(path)
+                got = run_variant(v, _WORKER, [path], path)
                 results.setdefault(v, got)
                 for c, res in got.items():
                     fwd, bwd = res["ms"]
@@ -73,9 +69,7 @@ def main() -> None:
     first = results[args.variants[0]]
     for v in args.variants[1:]:
         for c, res in first.items():
-            worst = max(((results[v][c]["samples"][k] - x).abs().max()
-                         / x.abs().max().clamp(min=1e-30)).item()
-                        for k, x in res["samples"].items())
+            worst = largest_difference(res["samples"], results[v][c]["samples"])
             print(f"{v} C={c}: largest sampled difference from {args.variants[0]}: "
                   f"{worst:.2e} of the largest sampled value")
 

@@ -1,0 +1,29 @@
+"""What the A/B scripts (``ab_phase2.py``, ``ab_wy.py``) share: running a worker in a fresh
+process against one package copy, and comparing sampled outputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_variant(variant: str, worker: str, argv: list[str], path: str):
+    """Run ``worker`` (Python source) with ``argv`` in a fresh process whose ``sdm_ops`` is
+    the copy in directory ``variant``; return what the worker saved at ``path``.
+
+    The process runs from the copy's own directory: ``python -c`` puts the working directory
+    first on sys.path, ahead of PYTHONPATH, so from the repository root every variant would
+    import the working tree's package."""
+    import torch
+    here = os.path.abspath(variant)
+    subprocess.run([sys.executable, "-c", worker, *argv], env=dict(os.environ, PYTHONPATH=here),
+                   cwd=here, check=True)
+    return torch.load(path)
+
+
+def largest_difference(want: dict, got: dict) -> float:
+    """The largest difference between two variants' samples (name -> tensor) over every name,
+    relative to the largest magnitude of ``want``'s sample of that name."""
+    return max(((got[k] - x).abs().max() / x.abs().max().clamp(min=1e-30)).item()
+               for k, x in want.items())
