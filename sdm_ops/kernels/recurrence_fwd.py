@@ -53,7 +53,7 @@ from torch.library import wrap_triton
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 
 BLOCK_D = 16          # columns per program; also the snapshot quantization group
-_ROWS = 32            # rows of X per dot in step 2
+_ROWS = 32            # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
 _TILE = 8192          # entries x columns gathered at once
 SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
@@ -126,7 +126,7 @@ def _recurrence_fwd_kernel(
     X, QX, bank, out, res, delta, scratch, snap, snap_scale, chunks, seq_chunks,
     T, H, S, NC,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
     MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
@@ -264,16 +264,22 @@ def _recurrence_fwd_kernel(
                          mask=tok_ok[:, None])
                 tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
             tl.debug_barrier()
-            # (2) Dual matmul: delta = X u, out = inter + QX u.
-            tok_c, ok_c = token_rows(tok0, h, H, count, ci)
-            bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
-            uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :],
-                                       mask=ok_c[:, None], other=0.0)
+            # (2) Dual matmul: delta = X u, out = inter + QX u, each RB rows of X and QX in
+            # slices of KB tokens of u (a float32 dot over all C = 128 tokens at once spilled
+            # 770 bytes a thread by Triton 3.6's ptxas; PERF_NOTES 22).
             for rb in range(0, C, RB):
                 ri = rb + tl.arange(0, RB)
-                xo = x_base + ri[:, None] * C + ci[None, :]
-                dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
-                qx = tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
+                dl = tl.zeros((RB, BD), dtype=tl.float32)
+                qx = tl.zeros((RB, BD), dtype=tl.float32)
+                for kb in range(0, C, KB):
+                    ki = kb + tl.arange(0, KB)
+                    tok_k, ok_k = token_rows(tok0, h, H, count, ki)
+                    bk = tl.load(beta + tok_k, mask=ok_k, other=0.0).to(tl.float32)
+                    uk = bk[:, None] * tl.load(res + tok_k[:, None] * D + cols[None, :],
+                                               mask=ok_k[:, None], other=0.0)
+                    xo = x_base + ri[:, None] * C + ki[None, :]
+                    dl = tl.dot(tl.load(X + xo), uk, dl, input_precision="ieee")
+                    qx = tl.dot(tl.load(QX + xo), uk, qx, input_precision="ieee")
                 tok_r, ok_r = token_rows(tok0, h, H, count, ri)
                 ok_r = ok_r[:, None]
                 o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
@@ -345,5 +351,5 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
         chunks if varlen else rank, seq_chunks if varlen else rank,
         T, H, S, X.shape[2],
-        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
+        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS), KB=min(C, _ROWS),
         MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, num_warps=_NUM_WARPS)
