@@ -10,7 +10,7 @@ of 10 calls each), checks that two backward calls agree bitwise, and samples 409
 every output and gradient; then it prints each variant's largest difference from the first's
 at those positions, relative to the first's largest sampled magnitude.
 Usage: ``python scripts/ab_phase2.py .ab/base .ab/new [--bank-dtype bfloat16] [--rounds 2]
-[--snapshot fp8]`` (the in-place forward keeps no snapshot in any mode).
+[--snapshot fp8] [--chunk-size 128]`` (the in-place forward keeps no snapshot in any mode).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import tempfile
 _WORKER = r"""
 import os, sys, torch
 from sdm_ops import bench, ops, recurrence
-bank_dtype, path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+bank_dtype, path, mode, C = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 assert bench.__file__.startswith(os.getcwd() + os.sep), bench.__file__   # this copy's package
 a = bench.make_workload(8, 4096, 8, 64, 65536, 8, 8, decay=True,
                         bank_dtype=getattr(torch, bank_dtype))
 S = a["bank"].shape[-2]
 prep, X, QX, _ = recurrence._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
-                                     a["read_idx"], a["read_w"], a["decay"], S, 64, None)
+                                     a["read_idx"], a["read_w"], a["decay"], S, C, None)
 _, _, gw, gr, sw, rd, rank, read_rank = prep
 fwd_in = (a["v"], a["beta"], a["write_idx"], a["read_idx"], gw, gr, sw, rd, rank, read_rank, X,
           QX, a["bank"], mode)
@@ -68,11 +68,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="time every variant this often")
     parser.add_argument("--snapshot", default="none", choices=["none", "bf16", "fp8", "int4"],
                         help="the forward's snapshot mode, which the backward reads")
+    parser.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     args = parser.parse_args()
     import torch
     results = {}
-    print(f"phase 2 alone, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = 64, {args.bank_dtype} "
-          f"bank, snapshot {args.snapshot} (ms, median of 10)")
+    print(f"phase 2 alone, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = {args.chunk_size}, "
+          f"{args.bank_dtype} bank, snapshot {args.snapshot} (ms, median of 10)")
     print(f"{'variant':<24}{'forward':>9}{'in place':>10}{'backward':>10}  backward bitwise")
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -84,7 +85,8 @@ def main() -> None:
                 here = os.path.abspath(v)
                 env = dict(os.environ, PYTHONPATH=here)
                 subprocess.run([sys.executable, "-c", _WORKER, args.bank_dtype, path,
-                                args.snapshot], env=env, cwd=here, check=True)
+                                args.snapshot, str(args.chunk_size)], env=env, cwd=here,
+                               check=True)
                 got = torch.load(path)
                 results.setdefault(v, got)
                 fwd, ip, bwd = got["ms"]

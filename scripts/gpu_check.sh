@@ -22,7 +22,7 @@
 #                  f609cb8, both times cut after the decode step, timing the fla-core peers)
 #   ab             python scripts/ab_phase2.py over the package copies named in AB (default
 #                  ".ab/main .ab/new"), float32 then bfloat16 bank, ROUNDS rounds (default 2),
-#                  the snapshot mode SNAPSHOT (default none);
+#                  the snapshot mode SNAPSHOT (default none), the chunk size CHUNK (default 64);
 #                  make each copy here with `mkdir -p .ab/NAME && git archive REV sdm_ops |
 #                  tar -x -C .ab/NAME` and carry .ab (one H200; a few minutes)
 # pytest runs with -v into $OUT/pytest.log (so a cut run still names what finished) and
@@ -71,7 +71,8 @@ if [ "$PART" = ab ]; then
     # shellcheck disable=SC2086  # AB is a list of paths
     for dtype in float32 bfloat16; do
         timeout "${AB_TIMEOUT:-270}" python3 scripts/ab_phase2.py ${AB:-.ab/main .ab/new} \
-            --bank-dtype "$dtype" --rounds "${ROUNDS:-2}" --snapshot "${SNAPSHOT:-none}" 2>&1 \
+            --bank-dtype "$dtype" --rounds "${ROUNDS:-2}" --snapshot "${SNAPSHOT:-none}" \
+            --chunk-size "${CHUNK:-64}" 2>&1 \
             | tee -a "$OUT/ab.log"
     done
 fi
