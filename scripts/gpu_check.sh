@@ -37,6 +37,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+# Triton's compile cache travels between device calls (each starts on a bare machine): with
+# .tcache/triton.tar.gz here (carry .tcache), what an earlier call compiled is not compiled
+# again; TCACHE_OUT=1 packs this call's cache into $OUT/triton.tar.gz, kept only under the
+# 16 MiB a returned file may hold (PART=bench's kernels and fla-core's fit; the whole suite's
+# may not): copy it to .tcache/ for the next call.
+export TRITON_CACHE_DIR=/tmp/sdm_triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .tcache/triton.tar.gz ]; then
+    tar -xzf .tcache/triton.tar.gz -C "$TRITON_CACHE_DIR" \
+        && echo "Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) kernels from .tcache"
+fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 gpus=$(nvidia-smi -L | wc -l)
@@ -80,4 +91,15 @@ if [ -n "$sanitizer" ]; then
     wait "$sanitizer"
     echo "sanitize.sh exit status: $?"
     tail -5 "$OUT/sanitize.out"
+fi
+if [ -n "${TCACHE_OUT:-}" ]; then
+    tar -czf "$OUT/triton.tar.gz" -C "$TRITON_CACHE_DIR" .
+    size=$(stat -c %s "$OUT/triton.tar.gz")
+    if [ "$size" -gt 16000000 ]; then
+        echo "Triton cache: $size bytes packed, too large to come back; not kept"
+        rm -f "$OUT/triton.tar.gz"
+    else
+        echo "Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) kernels," \
+            "$size bytes in $OUT/triton.tar.gz"
+    fi
 fi

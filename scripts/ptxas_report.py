@@ -5,7 +5,8 @@ The forward and backward of the reference workload's configuration (W = R = 8, D
 64, bfloat16 values; float32 and bfloat16 banks; every snapshot mode; the in-place forward) run
 at a small B and T with every launch recorded instead of run, then each distinct launch is
 compiled as the launcher would specialize it (which arguments are divisible by 16).
-Usage: ``PYTHONPATH=. python scripts/ptxas_report.py`` (no TRITON_INTERPRET; about a minute).
+Usage: ``PYTHONPATH=. python scripts/ptxas_report.py [CHUNK_SIZE]`` (no TRITON_INTERPRET;
+about a minute; the chunk size defaults to the reference workload's 64).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ for module, name, sig, consts, options, divisible in json.load(sys.stdin):
 """
 
 
-def _launches() -> list:
+def _launches(chunk_size: int = 64) -> list:
     """Signatures of the distinct launches of the reference workload's configuration."""
     calls: list = []
     _ON_CPU.set(True)       # the operators take the kernel path on CPU tensors; nothing runs
@@ -51,11 +52,12 @@ def _launches() -> list:
             for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
                 a[name].requires_grad_()
             for mode in ("none", "bf16", "fp8", "int4"):
-                out, bank = sdm_ops.sparse_delta_memory(**a, snapshot=mode)
+                out, bank = sdm_ops.sparse_delta_memory(**a, snapshot=mode,
+                                                        chunk_size=chunk_size)
                 loss = out.float().sum() + bank.float().sum()
                 torch.autograd.grad(loss, [t for t in a.values() if t.requires_grad])
             with torch.no_grad():
-                sdm_ops.sparse_delta_memory(**a)
+                sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size)
     seen, unique = set(), []
     for launch in calls:
         sig = _signature(*launch) + (_divisible(*launch),)
@@ -82,7 +84,8 @@ def _divisible(kernel, args, kwargs) -> list:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("run without TRITON_INTERPRET: the kernels are compiled, not interpreted")
-    launches = _launches()
+    chunk_size = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+    launches = _launches(chunk_size)
     env = dict(os.environ)
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(launches),
                           capture_output=True, text=True, env=env, check=True)
