@@ -94,6 +94,10 @@ def _recurrence_bwd_kernel(
     p = tl.program_id(0) // (D // BD)
     c0 = tl.program_id(0) % (D // BD) * BD
     cols = c0 + tl.arange(0, BD)
+    # The same columns, declared contiguous in runs of 4 only, for the snapshot's rows (as in
+    # the forward: a bfloat16 or byte load of runs of 16 gets a layout of its own, and the
+    # conversions cost registers: 60 bytes of spills with the fp8 snapshot; PERF_NOTES 22).
+    rcols = tl.max_contiguous(cols, 4)
     h = p % H
     pid_c = tl.program_id(0) % (D // BD)
     # This program's block of the partials, [D // BD, B, T, H, W or R] over all tokens.
@@ -127,7 +131,7 @@ def _recurrence_bwd_kernel(
         # before can be in flight during a chunk's dependent chain).
         _, lok = bank_slots(next_w, lwm, S)
         next_m0 = _load_snapshot(snap, snap_scale, snapshot_entries(ltok, 0, W + R, WP), lok,
-                                 c0, cols, D, BD, MODE)
+                                 c0, rcols, D, BD, MODE)
     for nn in range(lo, hi):
         n = lo + hi - 1 - nn
         if VARLEN:
@@ -155,7 +159,7 @@ def _recurrence_bwd_kernel(
             m0 = next_m0
             _, nok = bank_slots(next_w, nwm, S)
             next_m0 = _load_snapshot(snap, snap_scale, snapshot_entries(ntok, 0, W + R, WP),
-                                     nok, c0, cols, D, BD, MODE)
+                                     nok, c0, rcols, D, BD, MODE)
             rk = tl.load(rank + went, mask=ok, other=-1)
             first = ok & (rk == 0)
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
@@ -175,7 +179,7 @@ def _recurrence_bwd_kernel(
                              other=0.0).to(tl.float32)
                 qxt = tl.load(QX + xo)
                 qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok,
-                                       c0, cols, D, BD, MODE)
+                                       c0, rcols, D, BD, MODE)
                 rrk = tl.load(read_rank + rent, mask=qok, other=-1)
                 rg = tl.load(gather_r + rent, mask=qok, other=0.0)
             dd = tl.sum(sw[:, :, None] * dm1, 1)
@@ -224,7 +228,7 @@ def _recurrence_bwd_kernel(
                 dm1 = tl.load(dbank_p + s[:, :, None] * D + cols[None, None, :],
                               mask=ok[:, :, None], other=0.0)
                 m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok,
-                                    c0, cols, D, BD, MODE)
+                                    c0, rcols, D, BD, MODE)
                 dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                              other=0.0)
                 tl.store(ddelta + tok[:, None] * D + cols[None, :],
@@ -263,7 +267,7 @@ def _recurrence_bwd_kernel(
                          (bb[:, None] * duu).to(dv.dtype.element_ty), mask=tok_ok[:, None])
                 dret = -bb[:, None] * duu
                 m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok,
-                                    c0, cols, D, BD, MODE)
+                                    c0, rcols, D, BD, MODE)
                 tl.store(p_gw + went, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
                 rent, rm = entry_offsets(tok, tok_ok, R, RP)
                 q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
@@ -271,7 +275,7 @@ def _recurrence_bwd_kernel(
                 rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
                 if HAS_DOUT:
                     qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP),
-                                           qok, c0, cols, D, BD, MODE)
+                                           qok, c0, rcols, D, BD, MODE)
                     doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                                   other=0.0).to(tl.float32)
                     tl.store(p_gr + rent, tl.sum(doo[:, None, :] * qrows, 2), mask=rm)

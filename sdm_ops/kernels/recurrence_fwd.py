@@ -53,7 +53,7 @@ from torch.library import wrap_triton
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 
 BLOCK_D = 16          # columns per program; also the snapshot quantization group
-_ROWS = 32            # rows of X per dot in step 2
+_ROWS = 32            # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
 _TILE = 8192          # entries x columns gathered at once
 SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
@@ -126,12 +126,17 @@ def _recurrence_fwd_kernel(
     X, QX, bank, out, res, delta, scratch, snap, snap_scale, chunks, seq_chunks,
     T, H, S, NC,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
     MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
     c0 = tl.program_id(0) % (D // BD) * BD
     cols = c0 + tl.arange(0, BD)
+    # The same columns, declared contiguous in runs of 4 only, for the bank's and the snapshot's
+    # rows ([TB, EP, BD] tiles): with runs of 16, Triton gives a bfloat16 or byte access 8 or 16
+    # elements a thread, a layout of its own, and converting it to and from the float32 tiles'
+    # 4 a thread spilled 450-570 bytes a thread (Triton 3.6's ptxas; PERF_NOTES 22).
+    rcols = tl.max_contiguous(cols, 4)
     h = p % H
     bank_p = bank + p.to(tl.int64) * S * D
     scratch_p = scratch + p.to(tl.int64) * C * D
@@ -173,10 +178,10 @@ def _recurrence_fwd_kernel(
             tok, tok_ok = token_rows(tok0, h, H, count, ci)
             went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(next_w, wm, S)
-            rows, retrieved = _gather(bank_p, s, ok, tl.where(ok, next_gw, 0.0), cols, D)
+            rows, retrieved = _gather(bank_p, s, ok, tl.where(ok, next_gw, 0.0), rcols, D)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(next_r, rm, S)
-            qrows, inter = _gather(bank_p, q, qok, tl.where(qok, next_gr, 0.0), cols, D)
+            qrows, inter = _gather(bank_p, q, qok, tl.where(qok, next_gr, 0.0), rcols, D)
             if VARLEN:
                 ntok0 = tl.load(chunks + 2 * n + 2, mask=n + 1 < hi, other=0)
                 ncount = tl.load(chunks + 2 * n + 3, mask=n + 1 < hi, other=0).to(tl.int32)
@@ -195,9 +200,9 @@ def _recurrence_fwd_kernel(
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
             if SNAPSHOT:
                 _store_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows, wm,
-                                c0, cols, D, BD, MODE)
+                                c0, rcols, D, BD, MODE)
                 _store_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qrows, rm,
-                                c0, cols, D, BD, MODE)
+                                c0, rcols, D, BD, MODE)
                 tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
                          mask=tok_ok[:, None])
             uu = bb[:, None] * (vv - retrieved)
@@ -210,7 +215,7 @@ def _recurrence_fwd_kernel(
                 tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
             term = sw[:, :, None] * dl[:, None, :]
-            ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
+            ptr = bank_p + s[:, :, None] * D + rcols[None, None, :]
             first = ok & (rk == 0)
             rd = tl.load(row_decay + went, mask=first, other=1.0)
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
@@ -243,32 +248,38 @@ def _recurrence_fwd_kernel(
                 rk = tl.load(rank + went, mask=ok, other=0)
                 npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
                 rows, retrieved = _gather(bank_p, s, ok,
-                                          tl.load(gather_w + went, mask=ok, other=0.0), cols, D)
+                                          tl.load(gather_w + went, mask=ok, other=0.0), rcols, D)
                 rent, rm = entry_offsets(tok, tok_ok, R, RP)
                 q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
                 qrows, inter = _gather(bank_p, q, qok,
-                                       tl.load(gather_r + rent, mask=qok, other=0.0), cols, D)
+                                       tl.load(gather_r + rent, mask=qok, other=0.0), rcols, D)
                 if SNAPSHOT:
                     _store_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows,
-                                    wm, c0, cols, D, BD, MODE)
+                                    wm, c0, rcols, D, BD, MODE)
                     _store_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qrows,
-                                    rm, c0, cols, D, BD, MODE)
+                                    rm, c0, rcols, D, BD, MODE)
                 vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                              other=0.0).to(tl.float32)
                 tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
                          mask=tok_ok[:, None])
                 tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
             tl.debug_barrier()
-            # (2) Dual matmul: delta = X u, out = inter + QX u.
-            tok_c, ok_c = token_rows(tok0, h, H, count, ci)
-            bb = tl.load(beta + tok_c, mask=ok_c, other=0.0).to(tl.float32)
-            uu = bb[:, None] * tl.load(res + tok_c[:, None] * D + cols[None, :],
-                                       mask=ok_c[:, None], other=0.0)
+            # (2) Dual matmul: delta = X u, out = inter + QX u, each RB rows of X and QX in
+            # slices of KB tokens of u (a float32 dot over all C = 128 tokens at once spilled
+            # 770 bytes a thread by Triton 3.6's ptxas; PERF_NOTES 22).
             for rb in range(0, C, RB):
                 ri = rb + tl.arange(0, RB)
-                xo = x_base + ri[:, None] * C + ci[None, :]
-                dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
-                qx = tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
+                dl = tl.zeros((RB, BD), dtype=tl.float32)
+                qx = tl.zeros((RB, BD), dtype=tl.float32)
+                for kb in range(0, C, KB):
+                    ki = kb + tl.arange(0, KB)
+                    tok_k, ok_k = token_rows(tok0, h, H, count, ki)
+                    bk = tl.load(beta + tok_k, mask=ok_k, other=0.0).to(tl.float32)
+                    uk = bk[:, None] * tl.load(res + tok_k[:, None] * D + cols[None, :],
+                                               mask=ok_k[:, None], other=0.0)
+                    xo = x_base + ri[:, None] * C + ki[None, :]
+                    dl = tl.dot(tl.load(X + xo), uk, dl, input_precision="ieee")
+                    qx = tl.dot(tl.load(QX + xo), uk, qx, input_precision="ieee")
                 tok_r, ok_r = token_rows(tok0, h, H, count, ri)
                 ok_r = ok_r[:, None]
                 o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
@@ -288,7 +299,7 @@ def _recurrence_fwd_kernel(
                     sw = tl.load(scatter_w + went, mask=mine, other=0.0)
                     dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                                  other=0.0)
-                    ptr = bank_p + s[:, :, None] * D + cols[None, None, :]
+                    ptr = bank_p + s[:, :, None] * D + rcols[None, None, :]
                     rows = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
                     term = sw[:, :, None] * dl[:, None, :]
                     if k == 0:
@@ -340,5 +351,5 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
         chunks if varlen else rank, seq_chunks if varlen else rank,
         T, H, S, X.shape[2],
-        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
+        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS), KB=min(C, _ROWS),
         MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, num_warps=_NUM_WARPS)
