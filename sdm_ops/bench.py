@@ -251,11 +251,15 @@ def decode_step_us(B, H, D, S, W, R, *, bank_dtype) -> float:
     return _time_ms(lambda: [graph.replay() for _ in range(n)], reps=5, warmup=1) * 1e3 / n
 
 
-def graph_forward_ms(a: dict, chunk_size: int) -> float:
-    """The forward of ``forward_fn`` replayed from a CUDA graph: milliseconds per replay. No
-    host work between the kernels (the eager checks, which read data, are skipped while
-    capturing), so against the eager forward it shows what the host costs."""
-    return _time_ms(_captured(forward_fn(a, chunk_size)).replay)
+def replay_ms(fn) -> float:
+    """One call of ``fn`` replayed from a CUDA graph: milliseconds per replay. No host work
+    between the kernels (our eager checks, which read data, are skipped while capturing), so
+    against the eager call it shows what the host costs; the graph's memory is freed after."""
+    graph = _captured(fn)
+    ms = _time_ms(graph.replay)
+    del graph
+    torch.cuda.empty_cache()
+    return ms
 
 
 def _import_peer(module: str, name: str):
@@ -267,10 +271,11 @@ def _import_peer(module: str, name: str):
         return None, f"{type(e).__name__}: {first}"
 
 
-def fla_peers(B, T, H, D) -> tuple[list[tuple[str, float, float]], list[tuple[str, str]]]:
+def fla_peers(B, T, H, D) -> tuple[list[tuple], list[tuple[str, str]]]:
     """fla-core's chunk_delta_rule and chunk_kda at the same B, T, H and K = V = D, bfloat16:
-    rows (name, forward ms, forward+backward ms) for those that import, and (name, why) for
-    those that do not (fla-core not installed, or an import error of its own)."""
+    rows (name, forward ms, its graph replay ms, forward+backward ms, its graph replay ms) for
+    those that import, and (name, why) for those that do not (fla-core not installed, or an
+    import error of its own)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g)   # noqa: E731
     q, k, v = (rnd(B, T, H, D).to(torch.bfloat16) for _ in range(3))
@@ -294,7 +299,8 @@ def fla_peers(B, T, H, D) -> tuple[list[tuple[str, float, float]], list[tuple[st
 
         def fwd_bwd():
             return torch.autograd.grad(fn(*leaves, *extra, beta)[0], leaves, g_o)
-        rows.append((name, _time_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2)))
+        rows.append((name, _time_ms(fwd), replay_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2),
+                     replay_ms(fwd_bwd)))
     return rows, missing
 
 
@@ -402,7 +408,8 @@ def main(argv=None) -> int:
     print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
           f"C={args.chunk_size}, bfloat16 values")
     head = (f"{'case':<28}{'fwd ms':>8}{'graph':>7}{'launches':>9}{'floor ms':>9}"
-            f"{'x floor':>8}{'fwd+bwd ms':>11}{'floor ms':>9}{'x floor':>8}{'peak GiB':>9}"
+            f"{'x floor':>8}{'fwd+bwd ms':>11}{'graph':>7}{'floor ms':>9}{'x floor':>8}"
+            f"{'peak GiB':>9}"
             f"{'reference fwd ms':>17}")
     print(head)
     print("-" * len(head))
@@ -414,7 +421,7 @@ def main(argv=None) -> int:
 
         fwd = forward_fn(a, args.chunk_size)
         ms = _time_ms(fwd)
-        graph_ms = graph_forward_ms(a, args.chunk_size)
+        graph_ms = replay_ms(fwd)
         launches = kernel_launches(fwd)
         fwd_bwd = forward_backward_fn(a, args.chunk_size)
         bwd_ms = _time_ms(fwd_bwd, reps=5, warmup=2)
@@ -423,6 +430,7 @@ def main(argv=None) -> int:
         fwd_bwd()
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
         del fwd_bwd
+        bwd_graph_ms = replay_ms(forward_backward_fn(a, args.chunk_size))
         floor = floor_bytes(a) / bw * 1e3
         bwd_floor = floor_bytes_fwd_bwd(a) / bw * 1e3
         ref_ms = float("nan")
@@ -432,7 +440,8 @@ def main(argv=None) -> int:
                     return ref.sdm_chunked_reference(**a, chunk_size=args.chunk_size)
             ref_ms = _time_ms(ref_fwd, reps=2, warmup=1)
         print(f"{name:<28}{ms:>8.3f}{graph_ms:>7.3f}{launches:>9d}{floor:>9.3f}{ms / floor:>8.2f}"
-              f"{bwd_ms:>11.3f}{bwd_floor:>9.3f}{bwd_ms / bwd_floor:>8.2f}{peak:>9.2f}"
+              f"{bwd_ms:>11.3f}{bwd_graph_ms:>7.3f}{bwd_floor:>9.3f}{bwd_ms / bwd_floor:>8.2f}"
+              f"{peak:>9.2f}"
               f"{ref_ms:>17.1f}")
         del a
         torch.cuda.empty_cache()
@@ -450,8 +459,9 @@ def main(argv=None) -> int:
     if peers:
         print(f"peers at B={B} T={T} H={H} K=V={D}, bfloat16 (state {D}x{D} per stream, "
               f"{S // D} times smaller than the bank)")
-        for name, ms, bwd_ms in peers:
-            print(f"{name:<28}{ms:>8.3f}{'':>33}{bwd_ms:>11.3f}")
+        for name, ms, graph_ms, bwd_ms, bwd_graph_ms in peers:
+            print(f"{name:<28}{ms:>8.3f}{graph_ms:>7.3f}{'':>26}{bwd_ms:>11.3f}"
+                  f"{bwd_graph_ms:>7.3f}")
     for name, why in missing:
         print(f"peer {name} skipped: {why} (pip install fla-core)")
     if not args.no_packed:
