@@ -331,36 +331,42 @@ def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor
 def addressing(shape, reps: int = 3) -> None:
     """Forward and forward+backward as a chunk's entries share more slots: chunk sizes 32 to
     128 over the whole bank, and chunk 64 over hot sets of S / 16 and S / 256 slots (float32
-    bank, decay), with the share of chunks that overflow phase 1's sparse path."""
+    bank, decay), with the share of chunks that overflow phase 1's sparse path; each eager and
+    replayed from a CUDA graph."""
     from .kernels.chunk_prepare import COMPACT
     B, T, H, D, S, W, R = shape
     print(f"addressing: float32 bank, decay; indices uniform over a hot set of slots; a chunk "
           f"with more than {COMPACT} entries on one slot runs phase 1's dense kernels")
     print(f"{'hot slots':>10}{'chunk':>6}{'shared/chunk':>13}{'dense chunks':>13}"
-          f"{'fwd ms':>9}{'fwd+bwd ms':>12}")
+          f"{'fwd ms':>9}{'graph':>7}{'fwd+bwd ms':>12}{'graph':>7}")
     for hot, C in ((S, 32), (S, 64), (S, 128), (S // 16, 64), (S // 256, 64)):
         a = make_workload(*shape, decay=True, bank_dtype=torch.float32, hot=hot)
         count, most = shared_entries(a, C)
         dense = (most > COMPACT).float().mean().item()
-        ms = _time_ms(forward_fn(a, C), reps=reps, warmup=1)
-        bwd_ms = _time_ms(forward_backward_fn(a, C), reps=reps, warmup=1)
+        fwd, fwd_bwd = forward_fn(a, C), forward_backward_fn(a, C)
+        ms = _time_ms(fwd, reps=reps, warmup=1)
+        bwd_ms = _time_ms(fwd_bwd, reps=reps, warmup=1)
         print(f"{hot:>10}{C:>6}{count.float().mean().item():>13.1f}{dense:>13.1%}{ms:>9.3f}"
-              f"{bwd_ms:>12.3f}", flush=True)
+              f"{replay_ms(fwd):>7.3f}{bwd_ms:>12.3f}{replay_ms(fwd_bwd):>7.3f}", flush=True)
+        del fwd_bwd
         del a
         torch.cuda.empty_cache()
 
 
 def scaling(args) -> None:
-    """Forward and forward+backward over T, S and D (B = 1, H = 8, float32 bank, decay)."""
+    """Forward and forward+backward over T, S and D (B = 1, H = 8, float32 bank, decay), each
+    eager and replayed from a CUDA graph (at B = 1 an eager call can be mostly host time)."""
     print("scaling: B=1 H=8 W=8 R=8 C=64, float32 bank, decay")
-    print(f"{'T':>6}{'S':>9}{'D':>5}{'fwd ms':>9}{'fwd+bwd ms':>12}")
+    print(f"{'T':>6}{'S':>9}{'D':>5}{'fwd ms':>9}{'graph':>7}{'fwd+bwd ms':>12}{'graph':>7}")
     for D in (64, 128):
         for S in (2 ** 16, 2 ** 20):
             for T in (1024, 4096, 16384):
                 a = make_workload(1, T, 8, D, S, 8, 8, decay=True, bank_dtype=torch.float32)
-                ms = _time_ms(forward_fn(a, args.chunk_size), reps=5, warmup=1)
-                print(f"{T:>6}{S:>9}{D:>5}{ms:>9.3f}"
-                      f"{fwd_bwd_ms(a, args.chunk_size, reps=3):>12.3f}")
+                fwd = forward_fn(a, args.chunk_size)
+                ms = _time_ms(fwd, reps=5, warmup=1)
+                print(f"{T:>6}{S:>9}{D:>5}{ms:>9.3f}{replay_ms(fwd):>7.3f}"
+                      f"{fwd_bwd_ms(a, args.chunk_size, reps=3):>12.3f}"
+                      f"{replay_ms(forward_backward_fn(a, args.chunk_size)):>7.3f}", flush=True)
                 del a
                 torch.cuda.empty_cache()
 
