@@ -9,10 +9,8 @@ CUDA only (two GPUs for DDP); every test here is skipped on CPU.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import os
-import pkgutil
 import re
 import socket
 from datetime import timedelta
@@ -24,11 +22,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-import sdm_ops.kernels
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from compile_tests import launched_kernels
 from sdm_ops.nn import SparseDeltaMemory
-from tests.helpers import assert_close, requires_cuda
+from tests.helpers import assert_close, kernel_modules, requires_cuda
 
 RTOL = 1e-4         # compiled or captured against eager, after SGD steps: float32 rounding
 DDP_RTOL = 1e-5     # two GPUs against one: float32 reduction order only
@@ -173,9 +170,8 @@ def sdm_kernel_names() -> set[str]:
     """Every ``@triton.jit`` kernel that a module of ``sdm_ops.kernels`` launches (modules
     whose names start with ``_`` hold shared helpers and launch nothing)."""
     names = set()
-    for info in pkgutil.iter_modules(sdm_ops.kernels.__path__):
-        if not info.name.startswith("_"):
-            names.update(launched_kernels(importlib.import_module(f"sdm_ops.kernels.{info.name}")))
+    for module in kernel_modules():
+        names.update(launched_kernels(module))
     return names
 
 

@@ -20,6 +20,18 @@ requires_kernels = pytest.mark.skipif(
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+def kernel_modules() -> list:
+    """Every module of ``sdm_ops.kernels`` that launches kernels (modules named ``_...`` hold
+    shared helpers and launch nothing)."""
+    import importlib
+    import pkgutil
+
+    import sdm_ops.kernels
+    return [importlib.import_module(f"sdm_ops.kernels.{info.name}")
+            for info in pkgutil.iter_modules(sdm_ops.kernels.__path__)
+            if not info.name.startswith("_")]
+
+
 @contextlib.contextmanager
 def on_kernels():
     """Operators inside launch their Triton kernels: natively on CUDA tensors, under the

@@ -19,8 +19,8 @@ import torch
 
 import sdm_ops
 from sdm_ops.kernels import recurrence_fwd
-from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, make_packed_sdm_inputs, make_sdm_inputs,
-                           on_kernels, requires_kernels)
+from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, kernel_modules, make_packed_sdm_inputs,
+                           make_sdm_inputs, on_kernels, requires_kernels)
 
 triton = pytest.importorskip("triton")
 
@@ -36,10 +36,7 @@ def _recording(calls: list, run: bool = True):
     """Record every (kernel, positional args, keyword args) launched through wrap_triton, and
     launch it unless ``run`` is False (``scripts/ptxas_report.py`` only records)."""
     import torch.library
-    from sdm_ops.kernels import (chunk_prepare, decode_step, product_key_topk, recurrence_bwd,
-                                 recurrence_fwd, varlen, wy_solve)
-    modules = [chunk_prepare, decode_step, product_key_topk, recurrence_bwd, recurrence_fwd,
-               varlen, wy_solve]
+    modules = kernel_modules()
     real = torch.library.wrap_triton
 
     def wrap(kernel):
