@@ -266,7 +266,9 @@ def _recurrence_fwd_kernel(
             tl.debug_barrier()
             # (2) Dual matmul: delta = X u, out = inter + QX u, each RB rows of X and QX in
             # slices of KB tokens of u (a float32 dot over all C = 128 tokens at once spilled
-            # 770 bytes a thread by Triton 3.6's ptxas; PERF_NOTES 22).
+            # 770 bytes a thread by Triton 3.6's ptxas; PERF_NOTES 22). Each block of rows
+            # loads u's slices again from res (cache hits): holding u for all of them is what
+            # spilled.
             for rb in range(0, C, RB):
                 ri = rb + tl.arange(0, RB)
                 dl = tl.zeros((RB, BD), dtype=tl.float32)
