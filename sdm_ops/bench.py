@@ -355,7 +355,7 @@ def addressing(shape, reps: int = 3) -> None:
 def scaling(args) -> None:
     """Forward and forward+backward over T, S and D (B = 1, H = 8, float32 bank, decay), each
     eager and replayed from a CUDA graph (at B = 1 an eager call can be mostly host time)."""
-    print("scaling: B=1 H=8 W=8 R=8 C=64, float32 bank, decay")
+    print(f"scaling: B=1 H=8 W=8 R=8 C={args.chunk_size}, float32 bank, decay")
     print(f"{'T':>6}{'S':>9}{'D':>5}{'fwd ms':>9}{'graph':>7}{'fwd+bwd ms':>12}{'graph':>7}")
     for D in (64, 128):
         for S in (2 ** 16, 2 ** 20):
