@@ -256,10 +256,34 @@ def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: 
                                     chunk_size, chunks, seq_chunks)
 
 
+# ---------------------------------------------------------------------------
+# sdm::bank_copy
+# ---------------------------------------------------------------------------
+
+
+def _bank_copy_cpu(bank: Tensor, banks: int) -> Tensor:
+    """The CPU path of ``sdm::bank_copy``."""
+    return bank.expand(banks, *bank.shape[-3:]).clone(memory_format=torch.contiguous_format)
+
+
+_bank_copy_reference = _reference_op("bank_copy", _bank_copy_cpu, recurrence_meta.bank_copy_fake)
+
+
+@triton_op("sdm::bank_copy", mutates_args=())
 def bank_copy(bank: Tensor, banks: int) -> Tensor:
     """The per-stream copy [banks, H, S, D] (contiguous) of an initial bank, [banks, H, S, D]
-    or shared [H, S, D]: the state phase 2 updates in place and returns."""
-    return bank.expand(banks, *bank.shape[-3:]).clone(memory_format=torch.contiguous_format)
+    or shared [H, S, D]: the state phase 2 updates in place and returns. A kernel rather than
+    a memcpy (see ``kernels/bank_copy.py``); not differentiable (the inference forward's)."""
+    if use_kernels(bank):
+        from .kernels import bank_copy as k
+        bank_out = recurrence_meta.bank_copy_fake(bank, banks)
+        with on_device(bank):
+            k.bank_copy(bank, bank_out)
+        return bank_out
+    return _bank_copy_reference(bank, banks)
+
+
+bank_copy.register_fake(recurrence_meta.bank_copy_fake)
 
 
 def _recurrence_fwd_cpu(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
@@ -299,8 +323,11 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
         out, _, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
             v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
             read_rank, X, QX, bank, snapshot, chunks, seq_chunks)
-        bank_out = bank_copy(bank, v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1)
+        from .kernels import bank_copy as kc
+        bank_out = recurrence_meta.bank_copy_fake(
+            bank, v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1)
         with on_device(v):
+            kc.bank_copy(bank, bank_out)
             k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                              rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot,
                              chunks, seq_chunks)
@@ -446,11 +473,12 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
             X, QX, res, delta, bank_rows, snap, snap_scale, snapshot, dout, dbank_out, v_dtype,
             chunks, seq_chunks)
+        from .kernels import bank_copy as kc
         if dbank_out is None:
             dbank.zero_()
-        else:
-            dbank.copy_(dbank_out)
         with on_device(res):
+            if dbank_out is not None:
+                kc.bank_copy(dbank_out, dbank)
             dgw, dgr, dsw, drd = k.recurrence_bwd(
                 beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
                 read_rank, X, QX, res, delta, snap, snap_scale, snapshot, dout, dbank, dv, dX,

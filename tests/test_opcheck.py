@@ -383,6 +383,13 @@ def test_opcheck_product_key_topk_backward(device, factors, k, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared", [False, True])
+def test_opcheck_bank_copy(device, shared):
+    a = make_sdm_inputs(3, 1, 2, 16, 5, 2, 2, seed=32, shared=shared, device=device)
+    opcheck(ops.bank_copy, (a["bank"], 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_opcheck_varlen_chunks(device, dtype):
     cu = torch.tensor([0, 0, 5, 21, 58, 59, 59, 79], dtype=dtype, device=device)

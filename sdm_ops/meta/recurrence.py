@@ -1,5 +1,6 @@
-"""Fakes of the recurrence operators: ``sdm::varlen_chunks``, ``sdm::chunk_prepare``,
-``sdm::recurrence_fwd``, ``sdm::recurrence_fwd_``, ``sdm::decode_step_`` and the backwards.
+"""Fakes of the recurrence operators: ``sdm::bank_copy``, ``sdm::varlen_chunks``,
+``sdm::chunk_prepare``, ``sdm::recurrence_fwd``, ``sdm::recurrence_fwd_``, ``sdm::decode_step_``
+and the backwards.
 Shapes follow the launchers' allocations (all contiguous). ``chunks`` and ``seq_chunks``
 describe a packed batch (None otherwise)."""
 
@@ -29,6 +30,11 @@ def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, E: int, D: 
     if mode == "fp8":
         return rows, torch.uint8, scales      # float8_e4m3fn bit patterns
     return (B, T, H, E, D // 2), torch.uint8, scales
+
+
+def bank_copy_fake(bank: Tensor, banks: int) -> Tensor:
+    """[banks, H, S, D] in the bank's dtype, from [banks, H, S, D] or shared [H, S, D]."""
+    return bank.new_empty((banks,) + tuple(bank.shape[-3:]))
 
 
 def varlen_chunks_fake(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
