@@ -3,7 +3,8 @@
 Reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, bfloat16 values; float32 bank with
 and without decay, and a bfloat16 bank. For each case it prints the forward time (median of
 CUDA-event timings) eager and replayed from a CUDA graph, the number of kernel launches of one
-forward, the bytes-moved floor over the copy bandwidth measured in the same run,
+forward, the bytes-moved floor over the copy bandwidth measured in the same run, the in-place
+forward (``sparse_delta_memory_``, which copies no bank) replayed with its own floor,
 forward+backward time with its own floor and its peak memory above the inputs, and the
 stock-PyTorch reference path on the GPU.
 """
@@ -78,10 +79,11 @@ def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0
     return args
 
 
-def floor_bytes(a: dict) -> int:
+def floor_bytes(a: dict, in_place: bool = False) -> int:
     """Bytes a forward without autograd must move at least: its inputs once, out, the returned
-    bank (read and written), each entry's bank row gathered once and each written row written
-    once (it keeps no snapshot)."""
+    bank (read and written; not with ``in_place``, which updates the bank it is given), each
+    entry's bank row gathered once and each written row written once (it keeps no
+    snapshot)."""
     B, T, H, D = a["v"].shape
     W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
     bank = a["bank"]
@@ -90,8 +92,8 @@ def floor_bytes(a: dict) -> int:
               - bank.numel() * bank.element_size())
     out = a["v"].numel() * a["v"].element_size()
     entries = B * T * H
-    return (inputs + out + 2 * bank.numel() * bank.element_size()
-            + entries * (W + R) * row + entries * W * row)
+    copy = 0 if in_place else 2 * bank.numel() * bank.element_size()
+    return inputs + out + copy + entries * (W + R) * row + entries * W * row
 
 
 def floor_bytes_fwd_bwd(a: dict) -> int:
@@ -119,6 +121,15 @@ def forward_fn(a: dict, chunk_size: int, **kw):
         with torch.no_grad():
             return sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, **kw)
     return fwd
+
+
+def in_place_fn(a: dict, chunk_size: int):
+    """A call of ``sparse_delta_memory_`` on ``a``: the inference forward, which updates a bank
+    in place and copies nothing (its own copy of ``a``'s bank, made once and updated by every
+    call; the time does not depend on the values)."""
+    bank = a["bank"].clone()
+    rest = {k: t for k, t in a.items() if k != "bank"}
+    return lambda: sdm_ops.sparse_delta_memory_(bank, **rest, chunk_size=chunk_size)
 
 
 def forward_backward_fn(a: dict, chunk_size: int, **kw):
@@ -354,9 +365,12 @@ def addressing(shape, reps: int = 3) -> None:
 
 def scaling(args) -> None:
     """Forward and forward+backward over T, S and D (B = 1, H = 8, float32 bank, decay), each
-    eager and replayed from a CUDA graph (at B = 1 an eager call can be mostly host time)."""
+    eager and replayed from a CUDA graph (at B = 1 an eager call can be mostly host time), and
+    the in-place forward replayed (the functional calls copy the bank, whose size grows with S
+    and D; the in-place one does not)."""
     print(f"scaling: B=1 H=8 W=8 R=8 C={args.chunk_size}, float32 bank, decay")
-    print(f"{'T':>6}{'S':>9}{'D':>5}{'fwd ms':>9}{'graph':>7}{'fwd+bwd ms':>12}{'graph':>7}")
+    print(f"{'T':>6}{'S':>9}{'D':>5}{'fwd ms':>9}{'graph':>7}{'in place':>9}{'fwd+bwd ms':>12}"
+          f"{'graph':>7}")
     for D in (64, 128):
         for S in (2 ** 16, 2 ** 20):
             for T in (1024, 4096, 16384):
@@ -365,7 +379,8 @@ def scaling(args) -> None:
                 fwd, fwd_bwd = forward_fn(a, C), forward_backward_fn(a, C)
                 ms = _time_ms(fwd, reps=5, warmup=1)
                 bwd_ms = _time_ms(fwd_bwd, reps=3, warmup=2)
-                print(f"{T:>6}{S:>9}{D:>5}{ms:>9.3f}{replay_ms(fwd):>7.3f}{bwd_ms:>12.3f}"
+                print(f"{T:>6}{S:>9}{D:>5}{ms:>9.3f}{replay_ms(fwd):>7.3f}"
+                      f"{replay_ms(in_place_fn(a, C)):>9.3f}{bwd_ms:>12.3f}"
                       f"{replay_ms(fwd_bwd):>7.3f}", flush=True)
                 del fwd_bwd, a
                 torch.cuda.empty_cache()
@@ -414,7 +429,8 @@ def main(argv=None) -> int:
     print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
           f"C={args.chunk_size}, bfloat16 values")
     head = (f"{'case':<28}{'fwd ms':>8}{'graph':>7}{'launches':>9}{'floor ms':>9}"
-            f"{'x floor':>8}{'fwd+bwd ms':>11}{'graph':>7}{'floor ms':>9}{'x floor':>8}"
+            f"{'x floor':>8}{'in place':>9}{'floor ms':>9}{'x floor':>8}"
+            f"{'fwd+bwd ms':>11}{'graph':>7}{'floor ms':>9}{'x floor':>8}"
             f"{'peak GiB':>9}"
             f"{'reference fwd ms':>17}")
     print(head)
@@ -429,6 +445,8 @@ def main(argv=None) -> int:
         ms = _time_ms(fwd)
         graph_ms = replay_ms(fwd)
         launches = kernel_launches(fwd)
+        in_place_ms = replay_ms(in_place_fn(a, args.chunk_size))
+        in_place_floor = floor_bytes(a, in_place=True) / bw * 1e3
         fwd_bwd = forward_backward_fn(a, args.chunk_size)
         bwd_ms = _time_ms(fwd_bwd, reps=5, warmup=2)
         torch.cuda.reset_peak_memory_stats()
@@ -446,6 +464,7 @@ def main(argv=None) -> int:
                     return ref.sdm_chunked_reference(**a, chunk_size=args.chunk_size)
             ref_ms = _time_ms(ref_fwd, reps=2, warmup=1)
         print(f"{name:<28}{ms:>8.3f}{graph_ms:>7.3f}{launches:>9d}{floor:>9.3f}{ms / floor:>8.2f}"
+              f"{in_place_ms:>9.3f}{in_place_floor:>9.3f}{in_place_ms / in_place_floor:>8.2f}"
               f"{bwd_ms:>11.3f}{bwd_graph_ms:>7.3f}{bwd_floor:>9.3f}{bwd_ms / bwd_floor:>8.2f}"
               f"{peak:>9.2f}"
               f"{ref_ms:>17.1f}")
@@ -466,7 +485,7 @@ def main(argv=None) -> int:
         print(f"peers at B={B} T={T} H={H} K=V={D}, bfloat16 (state {D}x{D} per stream, "
               f"{S // D} times smaller than the bank)")
         for name, ms, graph_ms, bwd_ms, bwd_graph_ms in peers:
-            print(f"{name:<28}{ms:>8.3f}{graph_ms:>7.3f}{'':>26}{bwd_ms:>11.3f}"
+            print(f"{name:<28}{ms:>8.3f}{graph_ms:>7.3f}{'':>52}{bwd_ms:>11.3f}"
                   f"{bwd_graph_ms:>7.3f}")
     for name, why in missing:
         print(f"peer {name} skipped: {why} (pip install fla-core)")

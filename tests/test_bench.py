@@ -17,6 +17,8 @@ def test_floors_count_every_tensor_once(decay):
     # Forward: inputs but the bank 120 + d, out 64, bank read and written 512, 2 tokens x 2
     # entries gathered 256, 2 written rows 128.
     assert bench.floor_bytes(a) == 1080 + d
+    # In place: the same without the bank's copy.
+    assert bench.floor_bytes(a, in_place=True) == 1080 + d - 512
     # Forward+backward: also the output and bank gradients read (64 + 256), the float inputs'
     # gradients written (344 + d), both index tensors again (32), every entry's row again (256).
     assert bench.floor_bytes_fwd_bwd(a) == 1080 + d + 320 + 344 + d + 32 + 256
