@@ -3,10 +3,10 @@
 Reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, bfloat16 values; float32 bank with
 and without decay, and a bfloat16 bank. For each case it prints the forward time (median of
 CUDA-event timings) eager and replayed from a CUDA graph, the CUDA operations (kernels and any
-device copy) of one forward, the bytes-moved floor over the copy bandwidth measured in the same run, the in-place
-forward (``sparse_delta_memory_``, which copies no bank) replayed with its own floor,
-forward+backward time with its own floor and its peak memory above the inputs, and the
-stock-PyTorch reference path on the GPU.
+device copy) of one forward, the bytes-moved floor over the copy bandwidth measured in the same
+run, the in-place forward (``sparse_delta_memory_``, which copies no bank) replayed with its own
+floor, forward+backward time eager and replayed with its own floor and its peak memory above the
+inputs, and the stock-PyTorch reference path on the GPU.
 """
 
 from __future__ import annotations

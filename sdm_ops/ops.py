@@ -319,13 +319,11 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
     ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``. ``read_rank`` is
     not read here: it is an input so that the backward has it."""
     if use_kernels(v):
+        from .kernels import bank_copy as kc
         from .kernels import recurrence_fwd as k
-        out, _, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
+        out, bank_out, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
             v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
             read_rank, X, QX, bank, snapshot, chunks, seq_chunks)
-        from .kernels import bank_copy as kc
-        bank_out = recurrence_meta.bank_copy_fake(
-            bank, v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1)
         with on_device(v):
             kc.bank_copy(bank, bank_out)
             k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
@@ -468,16 +466,16 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
     dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D] float32); see
     ``kernels/recurrence_bwd.py``."""
     if use_kernels(res):
+        from .kernels import bank_copy as kc
         from .kernels import recurrence_bwd as k
         dv, dbeta, _, _, _, _, dX, dQX, dbank = recurrence_meta.recurrence_bwd_fake(
             beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
             X, QX, res, delta, bank_rows, snap, snap_scale, snapshot, dout, dbank_out, v_dtype,
             chunks, seq_chunks)
-        from .kernels import bank_copy as kc
-        if dbank_out is None:
-            dbank.zero_()
         with on_device(res):
-            if dbank_out is not None:
+            if dbank_out is None:
+                dbank.zero_()
+            else:
                 kc.bank_copy(dbank_out, dbank)
             dgw, dgr, dsw, drd = k.recurrence_bwd(
                 beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
