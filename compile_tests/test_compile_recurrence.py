@@ -3,7 +3,8 @@ dynamic=True`` over three sequence lengths compiling once and equal to eager, fo
 backward;
 the in-place ``sparse_delta_memory_`` compiled equal to eager; out-of-range indices in compiled
 code neither raising nor crashing but counting as padding; and on CUDA, CUDA graph capture of
-decode steps and the recurrence's Triton kernels in Inductor's output code."""
+decode steps and of the inference forward (its bank copy on a second stream), and the
+recurrence's Triton kernels in Inductor's output code."""
 
 from __future__ import annotations
 
@@ -149,6 +150,58 @@ def test_cuda_graph_decode_steps_replay_equal_eager_steps():
                                    msg=lambda m: f"step {t}: out differs: {m}")
         torch.testing.assert_close(bank, eager_bank, rtol=0, atol=0,
                                    msg=lambda m: f"step {t}: bank differs: {m}")
+
+
+@requires_cuda
+def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy():
+    # Without autograd the forward copies the bank on a second stream, beside phase 1 and the
+    # WY solve, and joins it before phase 2. Its out and bank must equal sparse_delta_memory_
+    # on a clone (one stream), bitwise: eagerly, with the source bank overwritten right after
+    # the call (the copy read it before), and replayed from a CUDA graph on new inputs (the
+    # fork and the join captured). The bank is large enough (64 MiB) for the copy to outlast
+    # phase 1 at this T.
+    shape = dict(B=2, T=200, H=2, D=64, S=65536, W=8, R=8, decay=True, device="cuda")
+    rest = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
+
+    def in_place_on_copy(a):
+        bank = a["bank"].clone()
+        out = sdm_ops.sparse_delta_memory_(bank, *(a[k] for k in rest))
+        return out, bank
+
+    a = make_sdm_inputs(**shape, seed=41)
+    want = in_place_on_copy(a)
+    src = a["bank"].clone()
+    with torch.no_grad():
+        got = sdm_ops.sparse_delta_memory(*(a[k] for k in rest[:-1]), src, a["decay"])
+    src.fill_(float("nan"))
+    for name, g, w in zip(("out", "bank"), got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m: f"eager {name}: {m}")
+
+    static = {k: a[k].clone() for k in rest + ("bank",)}
+
+    def forward():
+        with torch.no_grad():
+            return sdm_ops.sparse_delta_memory(**static)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = forward()
+    for seed in (42, 43):
+        b = make_sdm_inputs(**shape, seed=seed)
+        for k in static:
+            static[k].copy_(b[k])
+        graph.replay()
+        want = in_place_on_copy(b)
+        torch.cuda.synchronize()
+        for name, g, w in zip(("out", "bank"), static_out, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0,
+                                       msg=lambda m: f"replay {seed}: {name}: {m}")
 
 
 @requires_cuda

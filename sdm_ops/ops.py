@@ -261,7 +261,7 @@ def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: 
 # ---------------------------------------------------------------------------
 
 
-def _bank_copy_cpu(bank: Tensor, banks: int) -> Tensor:
+def _bank_copy_cpu(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
     """The CPU path of ``sdm::bank_copy``."""
     return bank.expand(banks, *bank.shape[-3:]).clone(memory_format=torch.contiguous_format)
 
@@ -270,17 +270,19 @@ _bank_copy_reference = _reference_op("bank_copy", _bank_copy_cpu, recurrence_met
 
 
 @triton_op("sdm::bank_copy", mutates_args=())
-def bank_copy(bank: Tensor, banks: int) -> Tensor:
+def bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
     """The per-stream copy [banks, H, S, D] (contiguous) of an initial bank, [banks, H, S, D]
     or shared [H, S, D]: the state phase 2 updates in place and returns. A kernel rather than
-    a memcpy (see ``kernels/bank_copy.py``); not differentiable (the inference forward's)."""
+    a memcpy (see ``kernels/bank_copy.py``); not differentiable (the inference forward's).
+    ``programs`` > 0 bounds the kernel's programs a bank, for a copy run beside other kernels
+    (the same result)."""
     if use_kernels(bank):
         from .kernels import bank_copy as k
-        bank_out = recurrence_meta.bank_copy_fake(bank, banks)
+        bank_out = recurrence_meta.bank_copy_fake(bank, banks, programs)
         with on_device(bank):
-            k.bank_copy(bank, bank_out)
+            k.bank_copy(bank, bank_out, programs)
         return bank_out
-    return _bank_copy_reference(bank, banks)
+    return _bank_copy_reference(bank, banks, programs)
 
 
 bank_copy.register_fake(recurrence_meta.bank_copy_fake)

@@ -199,6 +199,37 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
 
 
+# The share of the SMs that the inference forward's bank copy takes beside phase 1
+# (``_copy_beside``; PERF_NOTES 27 measured 1/8 to 1 of them).
+_COPY_SM_SHARE = 4          # one program for every 4 SMs
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _copy_beside(bank: Tensor, banks: int) -> tuple[Tensor, torch.cuda.Stream | None]:
+    """``(bank_out, side)``: the inference forward's copy of the bank, issued on a second
+    stream ``side`` so that it runs beside phase 1 and the WY solve, latency-bound kernels that
+    leave most of the memory bandwidth idle; the caller makes its stream wait for ``side``
+    before phase 2. The copy runs as one program for every ``_COPY_SM_SHARE`` SMs (at least one
+    a bank), so that the other stream's programs find whole SMs free. Eager calls and
+    CUDA-graph captures (where the fork becomes two branches of the graph) take it; on the CPU
+    and while compiling (Inductor schedules one stream) the copy runs in order and ``side`` is
+    None."""
+    if not bank.is_cuda or torch.compiler.is_compiling():
+        return ops.bank_copy(bank, banks), None
+    dev = bank.device
+    side = _side_streams.get(dev.index)
+    if side is None:
+        side = _side_streams[dev.index] = torch.cuda.Stream(dev)
+    here = torch.cuda.current_stream(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    programs = max(1, sms // (_COPY_SM_SHARE * banks))
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        bank_out = ops.bank_copy(bank, banks, programs)
+    bank_out.record_stream(here)      # allocated on side, used and freed on here
+    return bank_out, side
+
+
 def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
                         read_idx: Tensor, read_w: Tensor, bank: Tensor,
                         decay: Tensor | None = None, *, chunk_size: int = 64,
@@ -257,16 +288,18 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     inference = not _needs_grad(v, beta, write_w, read_w, bank, decay)
     if inference:
         # Nothing to differentiate: phase 2 runs in place on a copy of the bank and keeps no
-        # snapshot (what inference and evaluation pay). The copy goes first, so that the GPU
-        # makes it while the host launches the rest.
-        bank_out = ops.bank_copy(bank, v.shape[0] if cu_seqlens is None
-                                 else cu_seqlens.shape[0] - 1)
+        # snapshot (what inference and evaluation pay). The copy goes first, on a second
+        # stream on the GPU, so that it runs beside phase 1 and the WY solve.
+        bank_out, side = _copy_beside(bank, v.shape[0] if cu_seqlens is None
+                                      else cu_seqlens.shape[0] - 1)
     checks = _DataChecks.start(write_idx, read_idx, S, cu_seqlens, v.shape[1])
     prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
                                   cu_seqlens)
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
     _finish(checks)
     if inference:
+        if side is not None:
+            torch.cuda.current_stream(bank.device).wait_stream(side)
         out = ops.recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
                                   scatter_w, row_decay, rank, X, QX, *tables)
         return SDMOutput(out, bank_out)

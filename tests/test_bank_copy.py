@@ -32,13 +32,16 @@ def _assert_same_bits(actual, expected, name):
 
 
 @requires_kernels
+@pytest.mark.parametrize("programs", [0, 3, 40], ids=["block_a_program", "3_programs",
+                                                      "more_programs_than_blocks"])
 @pytest.mark.parametrize("shared", [False, True], ids=["per_stream", "shared"])
 @pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float32, torch.float32),
                                                  (torch.bfloat16, torch.bfloat16),
                                                  (torch.bfloat16, torch.float32)])
 def test_kernel_copies_every_bank_bitwise_and_nothing_else(monkeypatch, shared, src_dtype,
-                                                           dst_dtype):
-    monkeypatch.setattr(kernel, "BLOCK", 64)       # several programs a bank, the last partial
+                                                           dst_dtype, programs):
+    monkeypatch.setattr(kernel, "BLOCK", 64)       # several blocks a bank, the last partial
+    monkeypatch.setattr(kernel, "BOUNDED_BLOCK", 64)
     # Under the interpreter (numpy) a bfloat16 subnormal widens to the wrong float32; the GPU's
     # conversion is exact. So the widening case draws none.
     src = _bank((H, S, D) if shared else (B, H, S, D), src_dtype, seed=1 + shared,
@@ -47,7 +50,7 @@ def test_kernel_copies_every_bank_bitwise_and_nothing_else(monkeypatch, shared, 
     buf = torch.full((2 * pad + B * H * S * D,), 7.0, dtype=dst_dtype, device=KERNEL_DEVICE)
     dst = buf[pad:pad + B * H * S * D].view(B, H, S, D)
     with on_kernels():
-        kernel.bank_copy(src, dst)
+        kernel.bank_copy(src, dst, programs)      # 3: each program walks 6 or 7 blocks
     want = src.expand(B, H, S, D).to(dst_dtype)
     _assert_same_bits(dst, want, "copy")
     outside = torch.cat([buf[:pad], buf[-pad:]]).cpu()
@@ -56,10 +59,11 @@ def test_kernel_copies_every_bank_bitwise_and_nothing_else(monkeypatch, shared, 
 
 @requires_kernels
 @pytest.mark.parametrize("shared", [False, True], ids=["per_stream", "shared"])
-def test_operator_returns_a_fresh_contiguous_copy_like_the_cpu_path(shared):
+@pytest.mark.parametrize("programs", [0, 2])
+def test_operator_returns_a_fresh_contiguous_copy_like_the_cpu_path(shared, programs):
     bank = _bank((H, S, D) if shared else (B, H, S, D), torch.float32, seed=3)
     with on_kernels():
-        out = ops.bank_copy(bank, B)
+        out = ops.bank_copy(bank, B, programs)
     want = ops.bank_copy(bank.cpu(), B)
     assert out.shape == (B, H, S, D) and out.is_contiguous()
     assert out.data_ptr() != bank.data_ptr()

@@ -141,6 +141,8 @@ def _launches():
         with torch.no_grad():
             sdm_ops.sparse_delta_memory_(a["bank"].detach().clone(),
                                          **{k: v.detach() for k, v in a.items() if k != "bank"})
+        # The inference forward's bounded bank copy (a GPU runs it beside phase 1).
+        sdm_ops.ops.bank_copy(torch.randn(1, 9, 16, device=KERNEL_DEVICE), 2, 1)
         for dtype in (torch.float32, torch.bfloat16):
             raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
             sdm_ops.product_key_topk(raw, (4, 5, 3), 7).val.sum().backward()

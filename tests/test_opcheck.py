@@ -384,9 +384,10 @@ def test_opcheck_product_key_topk_backward(device, factors, k, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shared", [False, True])
-def test_opcheck_bank_copy(device, shared):
+@pytest.mark.parametrize("programs", [0, 1])
+def test_opcheck_bank_copy(device, shared, programs):
     a = make_sdm_inputs(3, 1, 2, 16, 5, 2, 2, seed=32, shared=shared, device=device)
-    opcheck(ops.bank_copy, (a["bank"], 3))
+    opcheck(ops.bank_copy, (a["bank"], 3, programs))
 
 
 @pytest.mark.parametrize("device", DEVICES)

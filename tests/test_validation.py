@@ -222,11 +222,13 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
         leaves = {k: a[k].clone().requires_grad_() for k in ("v", "bank")}
         out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves))
         grads = torch.autograd.grad(out.sum() + bank.sum(), list(leaves.values()))
+        with torch.no_grad():           # the inference forward: its bank copy on a side stream
+            inference = sdm_ops.sparse_delta_memory(**a)
         state = a["bank"].clone()
         step = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"})
         raw = torch.randn(6, 8 + 8, generator=torch.Generator().manual_seed(5)).to(a["v"].device)
         top = sdm_ops.product_key_topk(raw, (8, 8), 4)
-        return [t.cpu() for t in (out, bank, *grads, step, state, *top)]
+        return [t.cpu() for t in (out, bank, *grads, *inference, step, state, *top)]
 
     torch.cuda.set_device(0)
     want = run(make("cuda:0"))

@@ -32,7 +32,7 @@ def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, E: int, D: 
     return (B, T, H, E, D // 2), torch.uint8, scales
 
 
-def bank_copy_fake(bank: Tensor, banks: int) -> Tensor:
+def bank_copy_fake(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
     """[banks, H, S, D] in the bank's dtype, from [banks, H, S, D] or shared [H, S, D]."""
     return bank.new_empty((banks,) + tuple(bank.shape[-3:]))
 
