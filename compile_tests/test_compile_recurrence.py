@@ -153,13 +153,26 @@ def test_cuda_graph_decode_steps_replay_equal_eager_steps():
 
 
 @requires_cuda
-def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy():
+@pytest.mark.parametrize("beside", [True, False], ids=["copy_beside", "copy_in_order"])
+def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy(monkeypatch,
+                                                                                   beside):
     # Without autograd the forward copies the bank on a second stream, beside phase 1 and the
-    # WY solve, and joins it before phase 2. Its out and bank must equal sparse_delta_memory_
-    # on a clone (one stream), bitwise: eagerly, with the source bank overwritten right after
-    # the call (the copy read it before), and replayed from a CUDA graph on new inputs (the
-    # fork and the join captured). The bank is large enough (64 MiB) for the copy to outlast
-    # phase 1 at this T.
+    # WY solve, and joins it before phase 2 (or, for a bank large against phase 1's work, in
+    # order: the bound is raised or lowered here to take either path). Its out and bank must
+    # equal sparse_delta_memory_ on a clone (one stream), bitwise: eagerly, with the source
+    # bank overwritten right after the call (the copy read it before), and replayed from a
+    # CUDA graph on new inputs (the fork and the join captured). The bank is large enough
+    # (64 MiB) for the copy to outlast phase 1 at this T.
+    from sdm_ops import recurrence
+    monkeypatch.setattr(recurrence, "_COPY_BESIDE_BYTES", 2 ** 40 if beside else 0)
+    sides = []
+    copy_beside = recurrence._copy_beside
+
+    def spy(*args):
+        bank_out, side = copy_beside(*args)
+        sides.append(side)
+        return bank_out, side
+    monkeypatch.setattr(recurrence, "_copy_beside", spy)
     shape = dict(B=2, T=200, H=2, D=64, S=65536, W=8, R=8, decay=True, device="cuda")
     rest = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
 
@@ -183,12 +196,12 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
         with torch.no_grad():
             return sdm_ops.sparse_delta_memory(**static)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
         for _ in range(2):
             forward()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(warm)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = forward()
@@ -202,6 +215,7 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
         for name, g, w in zip(("out", "bank"), static_out, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0,
                                        msg=lambda m: f"replay {seed}: {name}: {m}")
+    assert sides and all((side is not None) == beside for side in sides), sides
 
 
 @requires_cuda

@@ -199,22 +199,28 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
 
 
-# The share of the SMs that the inference forward's bank copy takes beside phase 1
-# (``_copy_beside``; PERF_NOTES 27 measured 1/8 to 1 of them).
-_COPY_SM_SHARE = 4          # one program for every 4 SMs
+# The inference forward's bank copy beside phase 1 (``_copy_beside``, PERF_NOTES 27): it takes
+# one program for every _COPY_SM_SHARE SMs, and runs beside phase 1 only while the bank holds
+# at most _COPY_BESIDE_BYTES bytes a chunk of phase 1 (the reference workload: 256 KiB). So
+# bounded, a copy runs at about 60% of a whole-GPU copy's speed, so a bank much larger than
+# phase 1's work (S = 2^20 with one batch row: 16 MiB a chunk) is copied faster in order.
+_COPY_SM_SHARE = 4
+_COPY_BESIDE_BYTES = 512 * 1024
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _copy_beside(bank: Tensor, banks: int) -> tuple[Tensor, torch.cuda.Stream | None]:
+def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.cuda.Stream | None]:
     """``(bank_out, side)``: the inference forward's copy of the bank, issued on a second
-    stream ``side`` so that it runs beside phase 1 and the WY solve, latency-bound kernels that
-    leave most of the memory bandwidth idle; the caller makes its stream wait for ``side``
-    before phase 2. The copy runs as one program for every ``_COPY_SM_SHARE`` SMs (at least one
-    a bank), so that the other stream's programs find whole SMs free. Eager calls and
-    CUDA-graph captures (where the fork becomes two branches of the graph) take it; on the CPU
-    and while compiling (Inductor schedules one stream) the copy runs in order and ``side`` is
-    None."""
+    stream ``side`` so that it runs beside phase 1 and the WY solve (over ``chunks`` chunks),
+    latency-bound kernels that leave most of the memory bandwidth idle; the caller makes its
+    stream wait for ``side`` before phase 2. The copy runs as one program for every
+    ``_COPY_SM_SHARE`` SMs (at least one a bank), so that the other stream's programs find
+    whole SMs free. Eager calls and CUDA-graph captures (where the fork becomes two branches of
+    the graph) take it; on the CPU, while compiling (Inductor schedules one stream) and for a
+    bank of more than ``_COPY_BESIDE_BYTES`` a chunk, the copy runs in order, ``side`` None."""
     if not bank.is_cuda or torch.compiler.is_compiling():
+        return ops.bank_copy(bank, banks), None
+    if banks * bank.shape[-3:].numel() * bank.element_size() > _COPY_BESIDE_BYTES * max(chunks, 1):
         return ops.bank_copy(bank, banks), None
     dev = bank.device
     side = _side_streams.get(dev.index)
@@ -290,8 +296,9 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
         # Nothing to differentiate: phase 2 runs in place on a copy of the bank and keeps no
         # snapshot (what inference and evaluation pay). The copy goes first, on a second
         # stream on the GPU, so that it runs beside phase 1 and the WY solve.
-        bank_out, side = _copy_beside(bank, v.shape[0] if cu_seqlens is None
-                                      else cu_seqlens.shape[0] - 1)
+        B, T, H = beta.shape
+        bank_out, side = _copy_beside(bank, B if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+                                      B * H * -(-T // C))
     checks = _DataChecks.start(write_idx, read_idx, S, cu_seqlens, v.shape[1])
     prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
                                   cu_seqlens)
