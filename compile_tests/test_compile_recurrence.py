@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 import sdm_ops
 from compile_tests import assert_kernels_in_code, launched_kernels
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
-from tests.helpers import assert_close, make_sdm_inputs, requires_cuda
+from tests.helpers import assert_close, capture, make_sdm_inputs, requires_cuda
 
 RTOL = 1e-5     # compiled against eager: float32 rounding
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
@@ -127,17 +127,9 @@ def test_cuda_graph_decode_steps_replay_equal_eager_steps():
     def step(bank_, inputs):
         return sdm_ops.sparse_delta_memory_(bank_, *inputs)
 
-    # Warm up (Triton compilation, allocator) on a side stream, as torch.cuda.graph requires.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        scratch = bank.clone()
-        for _ in range(2):
-            step(scratch, static_in)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step(bank, static_in)
+    scratch = bank.clone()
+    graph, static_out = capture(lambda: step(bank, static_in),
+                                warm_up=lambda: step(scratch, static_in))
 
     eager_bank = a["bank"].clone()
     for t in range(steps):
@@ -196,15 +188,7 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
         with torch.no_grad():
             return sdm_ops.sparse_delta_memory(**static)
 
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = forward()
+    graph, static_out = capture(forward)
     for seed in (42, 43):
         b = make_sdm_inputs(**shape, seed=seed)
         for k in static:

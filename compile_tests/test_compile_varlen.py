@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import sdm_ops
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from sdm_ops import reference as ref
-from tests.helpers import assert_close, make_packed_sdm_inputs, requires_cuda
+from tests.helpers import assert_close, capture, make_packed_sdm_inputs, requires_cuda
 
 RTOL = 1e-5
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
@@ -74,15 +74,7 @@ def test_cuda_graph_with_static_cu_seqlens_replays_new_offsets():
         return sdm_ops.sparse_delta_memory_(bank, **static, cu_seqlens=static_cu,
                                             chunk_size=CHUNK)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     for i, lengths in enumerate(PACKINGS):
         b, new_cu = packed(lengths, "cuda", seed=20 + i)
         for k in rest:

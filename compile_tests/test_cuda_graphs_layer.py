@@ -25,7 +25,7 @@ from torch._inductor.utils import run_and_get_code
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from compile_tests import launched_kernels
 from sdm_ops.nn import SparseDeltaMemory
-from tests.helpers import assert_close, kernel_modules, requires_cuda
+from tests.helpers import assert_close, capture, kernel_modules, requires_cuda
 
 RTOL = 1e-4         # compiled or captured against eager, after SGD steps: float32 rounding
 DDP_RTOL = 1e-5     # two GPUs against one: float32 reduction order only
@@ -135,18 +135,9 @@ def test_cuda_graph_of_layer_decode_steps_replays_equal_eager_steps():
     eager_state = state.clone()
     static_x = x[:, prompt:prompt + 1].clone()
 
-    # Warm up (Triton compilation, cuBLAS handles) on a side stream, as torch.cuda.graph
-    # requires, on a scratch state.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        scratch = state.clone()
-        for _ in range(2):
-            layer.step_(static_x, scratch)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer.step_(static_x, state)
+    scratch = state.clone()         # the warm-up calls' state
+    graph, static_y = capture(lambda: layer.step_(static_x, state),
+                              warm_up=lambda: layer.step_(static_x, scratch))
     torch.cuda.synchronize()
     assert torch.equal(state, start), "capturing ran the step: the state changed"
 

@@ -27,3 +27,13 @@ def largest_difference(want: dict, got: dict) -> float:
     relative to the largest magnitude of ``want``'s sample of that name."""
     return max(((got[k] - x).abs().max() / x.abs().max().clamp(min=1e-30)).item()
                for k, x in want.items())
+
+
+def print_differences(results: dict, variants: list[str]) -> None:
+    """For every variant after the first, its largest sampled difference from the first's
+    (``results[variant]["samples"]``, name -> tensor)."""
+    first = results[variants[0]]["samples"]
+    for v in variants[1:]:
+        worst = largest_difference(first, results[v]["samples"])
+        print(f"{v}: largest sampled difference from {variants[0]}: {worst:.2e} of the "
+              "largest sampled value")

@@ -5,9 +5,9 @@ session (how PERF_NOTES 27 was measured).
 Each variant is a directory holding a copy of the ``sdm_ops`` package, as for
 ``ab_phase2.py``. For each, in a fresh process with that copy as its working directory, this
 times the reference workload's forward (B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, chunk 64, decay)
-eagerly and replayed from a CUDA graph (median of 20), with a float32 and a bfloat16 bank, and
-``sdm::bank_copy`` alone at several program bounds where the copy takes one; then it prints each
-variant's largest difference from the first's at 4096 sampled positions of out and the bank.
+eagerly and replayed from a CUDA graph (median of 20), with a float32 and a bfloat16 bank; then
+it prints each variant's largest difference from the first's at 4096 sampled positions of out
+and the bank.
 Usage: ``python scripts/ab_forward.py .ab/base .ab/new [--rounds 2]``.
 """
 
@@ -17,14 +17,14 @@ import argparse
 import os
 import tempfile
 
-from _ab import largest_difference, run_variant
+from _ab import print_differences, run_variant
 
 _WORKER = r"""
-import inspect, os, sys, torch
-from sdm_ops import bench, ops
+import os, sys, torch
+from sdm_ops import bench
 path = sys.argv[1]
 assert bench.__file__.startswith(os.getcwd() + os.sep), bench.__file__   # this copy's package
-ms, samples, copy_ms = {}, {}, {}
+ms, samples = {}, {}
 pick = torch.Generator(device="cuda").manual_seed(11)
 for dtype in (torch.float32, torch.bfloat16):
     a = bench.make_workload(8, 4096, 8, 64, 65536, 8, 8, decay=True, bank_dtype=dtype)
@@ -36,13 +36,9 @@ for dtype in (torch.float32, torch.bfloat16):
         flat = t.reshape(-1)
         at = torch.randint(0, flat.numel(), (4096,), device="cuda", generator=pick)
         samples[f"{name} {key}"] = flat[at].double().cpu()
-    del out, bank
-    if dtype == torch.float32 and "programs" in inspect.signature(ops.bank_copy).parameters:
-        for p in (0, 17, 34, 68):
-            copy_ms[p] = bench._time_ms(lambda: ops.bank_copy(a["bank"], 8, p))
-    del a, fwd
+    del out, bank, a, fwd
     torch.cuda.empty_cache()
-torch.save({"ms": ms, "copy": copy_ms, "samples": samples}, path)
+torch.save({"ms": ms, "samples": samples}, path)
 """
 
 
@@ -61,13 +57,8 @@ def main() -> None:
                 got = run_variant(v, _WORKER, [path], path)
                 results.setdefault(v, got)
                 cells = "  ".join(f"{k} {e:.3f} / {g:.3f}" for k, (e, g) in got["ms"].items())
-                copies = "  ".join(f"P={p}: {t:.3f}" for p, t in got["copy"].items())
-                print(f"{v:<20} {cells}   bank copy alone {copies or '-'}", flush=True)
-    first = results[args.variants[0]]["samples"]
-    for v in args.variants[1:]:
-        worst = largest_difference(first, results[v]["samples"])
-        print(f"{v}: largest sampled difference from {args.variants[0]}: {worst:.2e} of the "
-              "largest sampled value")
+                print(f"{v:<20} {cells}", flush=True)
+    print_differences(results, args.variants)
 
 
 if __name__ == "__main__":

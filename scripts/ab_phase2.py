@@ -19,7 +19,7 @@ import argparse
 import os
 import tempfile
 
-from _ab import largest_difference, run_variant
+from _ab import print_differences, run_variant
 
 _WORKER = r"""
 import os, sys, torch
@@ -83,11 +83,7 @@ def main() -> None:
                 results.setdefault(v, got)
                 fwd, ip, bwd = got["ms"]
                 print(f"{v:<24}{fwd:>9.3f}{ip:>10.3f}{bwd:>10.3f}  {got['bitwise']}", flush=True)
-    first = results[args.variants[0]]["samples"]
-    for v in args.variants[1:]:
-        worst = largest_difference(first, results[v]["samples"])
-        print(f"{v}: largest sampled difference from {args.variants[0]}: {worst:.2e} of the "
-              "largest sampled value")
+    print_differences(results, args.variants)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,23 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, n
             f"tolerance {tol:.3e} = rtol {rtol:g} x max(|expected|, 1) {max(scale, 1.0):.3g}")
 
 
+def capture(fn, warm_up=None):
+    """``(graph, result)``: a CUDA graph of one call of ``fn`` and what the call returned
+    while captured. Two calls of ``warm_up`` (default ``fn``; one on scratch state where
+    ``fn`` would change state the test keeps) run first on a side stream, as
+    ``torch.cuda.graph`` requires: Triton compiles, the allocator and cuBLAS set up."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            (warm_up or fn)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, *, decay=True, shared=False,
                     dtype=torch.float32, bank_dtype=None, index_dtype=torch.int64,
                     device="cpu", seed=0, padding=0.15, zero_decay=0.15, one_decay=0.15):
