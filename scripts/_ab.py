@@ -1,11 +1,14 @@
-"""What the A/B scripts (``ab_phase2.py``, ``ab_wy.py``) share: running a worker in a fresh
-process against one package copy, and comparing sampled outputs."""
+"""What the A/B scripts (``ab_phase2.py``, ``ab_wy.py``, ``ab_forward.py``) share: their
+arguments, running a worker in a fresh process against each package copy, round after round,
+and comparing sampled outputs."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 
 def run_variant(variant: str, worker: str, argv: list[str], path: str):
@@ -37,3 +40,21 @@ def print_differences(results: dict, variants: list[str]) -> None:
         worst = largest_difference(first, results[v]["samples"])
         print(f"{v}: largest sampled difference from {variants[0]}: {worst:.2e} of the "
               "largest sampled value")
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every A/B script takes: the variants and the number of rounds."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("variants", nargs="+", help="directories holding an sdm_ops copy")
+    p.add_argument("--rounds", type=int, default=1, help="time every variant this often")
+    return p
+
+
+def each_run(variants: list[str], rounds: int, worker: str, argv: list[str] = ()):
+    """``(variant, result)`` for every variant, ``rounds`` times over: ``worker`` run by
+    ``run_variant`` with the path it saves its result to, then ``argv``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for v in variants:
+                path = os.path.join(tmp, f"{r}-{os.path.basename(v.rstrip('/'))}.pt")
+                yield v, run_variant(v, worker, [path, *argv], path)

@@ -13,11 +13,7 @@ Usage: ``python scripts/ab_forward.py .ab/base .ab/new [--rounds 2]``.
 
 from __future__ import annotations
 
-import argparse
-import os
-import tempfile
-
-from _ab import print_differences, run_variant
+from _ab import each_run, parser, print_differences
 
 _WORKER = r"""
 import os, sys, torch
@@ -43,21 +39,14 @@ torch.save({"ms": ms, "samples": samples}, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variants", nargs="+", help="directories holding an sdm_ops copy")
-    parser.add_argument("--rounds", type=int, default=1, help="time every variant this often")
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     results = {}
     print("inference forward, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = 64, decay "
           "(ms, median of 20: eager / CUDA graph)")
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for v in args.variants:
-                path = os.path.join(tmp, f"{r}-{os.path.basename(v.rstrip('/'))}.pt")
-                got = run_variant(v, _WORKER, [path], path)
-                results.setdefault(v, got)
-                cells = "  ".join(f"{k} {e:.3f} / {g:.3f}" for k, (e, g) in got["ms"].items())
-                print(f"{v:<20} {cells}", flush=True)
+    for v, got in each_run(args.variants, args.rounds, _WORKER):
+        results.setdefault(v, got)
+        cells = "  ".join(f"{k} {e:.3f} / {g:.3f}" for k, (e, g) in got["ms"].items())
+        print(f"{v:<20} {cells}", flush=True)
     print_differences(results, args.variants)
 
 

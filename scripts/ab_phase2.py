@@ -15,16 +15,12 @@ Usage: ``python scripts/ab_phase2.py .ab/base .ab/new [--bank-dtype bfloat16] [-
 
 from __future__ import annotations
 
-import argparse
-import os
-import tempfile
-
-from _ab import print_differences, run_variant
+from _ab import each_run, parser, print_differences
 
 _WORKER = r"""
 import os, sys, torch
 from sdm_ops import bench, ops, recurrence
-bank_dtype, path, mode, C = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+path, bank_dtype, mode, C = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 assert bench.__file__.startswith(os.getcwd() + os.sep), bench.__file__   # this copy's package
 a = bench.make_workload(8, 4096, 8, 64, 65536, 8, 8, decay=True,
                         bank_dtype=getattr(torch, bank_dtype))
@@ -62,27 +58,21 @@ torch.save({"ms": (fwd_ms, ip_ms, bwd_ms), "bitwise": same, "samples": samples},
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variants", nargs="+", help="directories holding an sdm_ops copy")
-    parser.add_argument("--bank-dtype", default="float32")
-    parser.add_argument("--rounds", type=int, default=1, help="time every variant this often")
-    parser.add_argument("--snapshot", default="none", choices=["none", "bf16", "fp8", "int4"],
-                        help="the forward's snapshot mode, which the backward reads")
-    parser.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--bank-dtype", default="float32")
+    p.add_argument("--snapshot", default="none", choices=["none", "bf16", "fp8", "int4"],
+                   help="the forward's snapshot mode, which the backward reads")
+    p.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
+    args = p.parse_args()
     results = {}
     print(f"phase 2 alone, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = {args.chunk_size}, "
           f"{args.bank_dtype} bank, snapshot {args.snapshot} (ms, median of 10)")
     print(f"{'variant':<24}{'forward':>9}{'in place':>10}{'backward':>10}  backward bitwise")
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for v in args.variants:
-                path = os.path.join(tmp, f"{r}-{os.path.basename(v.rstrip('/'))}.pt")
-                got = run_variant(v, _WORKER, [args.bank_dtype, path, args.snapshot,
-                                               str(args.chunk_size)], path)
-                results.setdefault(v, got)
-                fwd, ip, bwd = got["ms"]
-                print(f"{v:<24}{fwd:>9.3f}{ip:>10.3f}{bwd:>10.3f}  {got['bitwise']}", flush=True)
+    for v, got in each_run(args.variants, args.rounds, _WORKER,
+                           [args.bank_dtype, args.snapshot, str(args.chunk_size)]):
+        results.setdefault(v, got)
+        fwd, ip, bwd = got["ms"]
+        print(f"{v:<24}{fwd:>9.3f}{ip:>10.3f}{bwd:>10.3f}  {got['bitwise']}", flush=True)
     print_differences(results, args.variants)
 
 

@@ -12,11 +12,7 @@ sampled magnitude. Usage: ``python scripts/ab_wy.py .ab/base .ab/new [--rounds 2
 
 from __future__ import annotations
 
-import argparse
-import os
-import tempfile
-
-from _ab import largest_difference, run_variant
+from _ab import each_run, largest_difference, parser
 
 _WORKER = r"""
 import math, os, sys, torch
@@ -49,23 +45,16 @@ torch.save(results, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variants", nargs="+", help="directories holding an sdm_ops copy")
-    parser.add_argument("--rounds", type=int, default=1, help="time every variant this often")
-    args = parser.parse_args()
+    args = parser(__doc__).parse_args()
     results = {}
     print("WY solve alone, forward and backward ms (median of 20)")
     print(f"{'variant':<24}{'C':>5}{'chunks':>8}{'forward':>9}{'backward':>10}  backward bitwise")
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for v in args.variants:
-                path = os.path.join(tmp, f"{r}-{os.path.basename(v.rstrip('/'))}.pt")
-                got = run_variant(v, _WORKER, [path], path)
-                results.setdefault(v, got)
-                for c, res in got.items():
-                    fwd, bwd = res["ms"]
-                    print(f"{v:<24}{c:>5}{4096 * 64 // c:>8}{fwd:>9.3f}{bwd:>10.3f}  "
-                          f"{res['bitwise']}", flush=True)
+    for v, got in each_run(args.variants, args.rounds, _WORKER):
+        results.setdefault(v, got)
+        for c, res in got.items():
+            fwd, bwd = res["ms"]
+            print(f"{v:<24}{c:>5}{4096 * 64 // c:>8}{fwd:>9.3f}{bwd:>10.3f}  "
+                  f"{res['bitwise']}", flush=True)
     first = results[args.variants[0]]
     for v in args.variants[1:]:
         for c, res in first.items():

@@ -199,11 +199,10 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
 
 
-# The inference forward's bank copy beside phase 1 (``_copy_beside``, PERF_NOTES 27): it takes
-# one program for every _COPY_SM_SHARE SMs, and runs beside phase 1 only while the bank holds
-# at most _COPY_BESIDE_BYTES bytes a chunk of phase 1 (the reference workload: 256 KiB). So
-# bounded, a copy runs at about 60% of a whole-GPU copy's speed, so a bank much larger than
-# phase 1's work (S = 2^20 with one batch row: 16 MiB a chunk) is copied faster in order.
+# The inference forward's bank copy beside phase 1 (``_copy_beside``, PERF_NOTES 27) takes one
+# program for every _COPY_SM_SHARE SMs, which copies at about 60% of a whole-GPU copy's speed;
+# so it runs beside phase 1 only while the bank holds at most _COPY_BESIDE_BYTES a chunk of
+# phase 1 (the reference workload: 256 KiB; S = 2^20 with one batch row: 16 MiB, in order).
 _COPY_SM_SHARE = 4
 _COPY_BESIDE_BYTES = 512 * 1024
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -218,9 +217,8 @@ def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.c
     whole SMs free. Eager calls and CUDA-graph captures (where the fork becomes two branches of
     the graph) take it; on the CPU, while compiling (Inductor schedules one stream) and for a
     bank of more than ``_COPY_BESIDE_BYTES`` a chunk, the copy runs in order, ``side`` None."""
-    if not bank.is_cuda or torch.compiler.is_compiling():
-        return ops.bank_copy(bank, banks), None
-    if banks * bank.shape[-3:].numel() * bank.element_size() > _COPY_BESIDE_BYTES * max(chunks, 1):
+    if (not bank.is_cuda or torch.compiler.is_compiling() or banks * bank.shape[-3:].numel()
+            * bank.element_size() > _COPY_BESIDE_BYTES * max(chunks, 1)):
         return ops.bank_copy(bank, banks), None
     dev = bank.device
     side = _side_streams.get(dev.index)
