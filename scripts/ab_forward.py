@@ -7,8 +7,9 @@ Each variant is a directory holding a copy of the ``sdm_ops`` package, as for
 times the reference workload's forward (B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, chunk 64, decay)
 eagerly and replayed from a CUDA graph (median of 20), with a float32 and a bfloat16 bank; then
 it prints each variant's largest difference from the first's at 4096 sampled positions of out
-and the bank.
-Usage: ``python scripts/ab_forward.py .ab/base .ab/new [--rounds 2]``.
+and the bank. With ``--all``, the float32 bank's in-place forward (``sparse_delta_memory_``)
+and forward+backward are timed too.
+Usage: ``python scripts/ab_forward.py .ab/base .ab/new [--rounds 2] [--all]``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ for dtype in (torch.float32, torch.bfloat16):
     out, bank = fwd()
     name = str(dtype).split(".")[-1]
     ms[name] = (bench._time_ms(fwd), bench.replay_ms(fwd))
+    if "--all" in sys.argv and dtype == torch.float32:
+        for key, fn in (("in place", bench.in_place_fn(a, 64)),
+                        ("fwd+bwd", bench.forward_backward_fn(a, 64))):
+            ms[f"{name} {key}"] = (bench._time_ms(fn), bench.replay_ms(fn))
+            del fn
     for key, t in (("out", out), ("bank", bank)):
         flat = t.reshape(-1)
         at = torch.randint(0, flat.numel(), (4096,), device="cuda", generator=pick)
@@ -39,11 +45,13 @@ torch.save({"ms": ms, "samples": samples}, path)
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--all", action="store_true", help="also the in-place forward and fwd+bwd")
+    args = p.parse_args()
     results = {}
     print("inference forward, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = 64, decay "
           "(ms, median of 20: eager / CUDA graph)")
-    for v, got in each_run(args.variants, args.rounds, _WORKER):
+    for v, got in each_run(args.variants, args.rounds, _WORKER, ["--all"] if args.all else []):
         results.setdefault(v, got)
         cells = "  ".join(f"{k} {e:.3f} / {g:.3f}" for k, (e, g) in got["ms"].items())
         print(f"{v:<20} {cells}", flush=True)

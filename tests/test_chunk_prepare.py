@@ -98,11 +98,14 @@ def test_phase1_and_backward_match_float64_on_both_paths(heavy_flags, compact, c
         assert torch.equal(seen[0], seen[1]), "forward and backward split chunks differently"
 
 
-def test_the_paths_split_chunks_and_both_run(heavy_flags):
+def test_the_paths_split_chunks_and_both_run(heavy_flags, monkeypatch):
     """With a window of 16, some chunks of the same call are light and some heavy: in every
-    other chunk of stream 0, a slot that 9 tokens write twice (18 entries in a bucket)."""
+    other chunk of stream 0, a slot that 9 tokens write twice (18 entries in a bucket). The
+    dense kernels' grid is bounded to 2 chunk programs, so that one of them takes both heavy
+    chunks (0 and 2), the second on its second step."""
     seen, set_compact = heavy_flags
     set_compact(16)
+    monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 2)
     a = make_sdm_inputs(B=2, H=2, D=16, T=64, W=8, R=8, S=2000, seed=3, device=KERNEL_DEVICE)
     for n in (0, 2):
         a["write_idx"][0, 16 * n:16 * n + 9, 0, :2] = 1999
@@ -115,9 +118,11 @@ def test_the_paths_split_chunks_and_both_run(heavy_flags):
 def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypatch):
     """A small bank: most of a chunk's 128 entries share a slot, in buckets of a few entries,
     so the sparse path takes every chunk in several windows of 16 (and the forward sums A and
-    QK over them), with no chunk left to the dense path."""
+    QK over them), with no chunk left to the dense path. The windowed tier's grid is bounded
+    to 4 programs, so that two of them take two of the 6 chunks each."""
     seen, set_compact = heavy_flags
     set_compact(16)
+    monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 4)
     windows = []
     launch = kernel.wrap_triton
 
@@ -129,7 +134,7 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
         class Spy:
             def __getitem__(self, grid):
                 def run(*args, **kw):
-                    windows.append((kw["MC"], kw["HI"]))
+                    windows.append((kw["MC"], kw["HI"], grid))
                     return launcher[grid](*args, **kw)
                 return run
         return Spy()
@@ -140,7 +145,8 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
     shared = _shared_counts(a, 16)
     assert (shared > 16).all(), f"shared entries per chunk {shared.tolist()}"
     assert not seen[0].any() and not seen[1].any()
-    assert windows == [(16, 16), (16, 128)], windows   # (window, largest count) per tier
+    # (window, largest count, grid) per tier
+    assert windows == [(16, 16, (3, 2)), (16, 128, (4, 1))], windows
 
 
 def _shared_counts(a, C):
@@ -158,6 +164,11 @@ def test_a_large_bank_takes_the_sparse_path_for_every_chunk(heavy_flags):
     a["write_idx"][:, ::4, :, 7] = a["write_idx"][:, ::4, :, 6]
     _check(a, 32, seed=4)
     assert not seen[0].any()
+    # Chunks of every pairs path: the one-window tier's two window sizes (at most 16 shared
+    # entries, at most 32) and the windowed tier.
+    m = _shared_counts(a, 32)
+    assert ((m > 0) & (m <= 16)).any() and ((m > 16) & (m <= 32)).any() and (m > 32).any(), \
+        m.tolist()
 
 
 @pytest.mark.parametrize("compact", [0, 32])

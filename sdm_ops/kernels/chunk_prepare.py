@@ -35,8 +35,9 @@ entries each. The dense kernels below take the rest ("heavy" chunks; every chunk
 geometry has no sparse path): grid (N, B * H, C // BJ), a program
 owns BJ tokens ("own" entries: their W write and R read entries) of one chunk and walks the
 chunk's C tokens in order, matching each token's entries against its own, and writes the
-columns of its tokens in A and QK and its entries' weights. Launched after the sparse path, a
-dense program returns at once unless its chunk is heavy. On either path each output element has
+columns of its tokens in A and QK and its entries' weights. Launched after the sparse path,
+a dense kernel has at most _STRIDED_PROGRAMS programs, each walking every G-th chunk and
+taking a heavy one whole, BJ tokens at a time. On either path each output element has
 one writer and every sum and product runs in a fixed order, so the result is bitwise
 deterministic.
 """
@@ -81,20 +82,13 @@ def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: 
 
 
 @triton.jit
-def _chunk_prepare_kernel(
+def _prepare_chunk(
     write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count,
-    T, H, S,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+    n, p, j0, T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    if SPARSE:   # the sparse path has done every chunk but the heavy ones (count -1)
-        if tl.load(shared_count + p * tl.num_programs(0) + n) >= 0:
-            return
-    j0 = tl.program_id(2) * BJ
     h = p % H
     if VARLEN:
         tok0 = tl.load(chunks + 2 * n)
@@ -172,6 +166,32 @@ def _chunk_prepare_kernel(
     tl.store(read_rank + r_off, tl.where(v_r, rcnt, 0), mask=r_ok)
 
 
+@triton.jit
+def _chunk_prepare_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count,
+    T, H, S, N, P,
+    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
+    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    SPARSE: tl.constexpr,
+):
+    if SPARSE:   # the heavy chunks alone (count -1), usually none: see _STRIDED_PROGRAMS
+        step = tl.num_programs(0)
+        for k in range(tl.cdiv(N * P, step)):
+            chunk = tl.program_id(0) + k * step
+            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
+                for jb in range(C // BJ):
+                    _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK,
+                                   gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+                                   chunk % N, chunk // N, jb * BJ, T, H, S, W, R, WP, RP, C, BJ,
+                                   HAS_DECAY, VARLEN)
+    else:        # grid (N, P, C // BJ): a program takes BJ tokens of one chunk
+        _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w,
+                       gather_r, scatter_w, row_decay, rank, read_rank, tl.program_id(0),
+                       tl.program_id(1), tl.program_id(2) * BJ, T, H, S, W, R, WP, RP, C, BJ,
+                       HAS_DECAY, VARLEN)
+
+
 def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     """(WP, RP, BJ): padded entry counts and own tokens per program."""
     wp = triton.next_power_of_2(max(W, 1))
@@ -202,8 +222,9 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     shared = _sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags,
                             write_idx.device)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
-    wrap_triton(_chunk_prepare_kernel)[(N, P, C // bj)](
-        *common, write_idx if shared is None else shared, T, H, bank_rows,
+    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
+    wrap_triton(_chunk_prepare_kernel)[grid](
+        *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
@@ -231,27 +252,21 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
 # divided and decays of 0 are exact. For a read entry r (token i, slot s):
 #   dw_r = sum_{j <= i} dQK[i, j] K(j) prod d over (j, i] + dgr_r prod_{t <= i} d_t.
 #
-# Grid: (N, B * H, C // BJ); a program owns the write and read entries of BJ tokens, flattened
-# (E = BJ * WP write entries), walks the chunk forward once (building fwdK, fwdQ in registers),
-# forms Z with two full-float32 dots, and walks it backward once. One writer per output.
+# Grid: that of the forward's dense kernel; a program owns the write and read entries of BJ
+# tokens, flattened (E = BJ * WP write entries), walks the chunk forward once (building fwdK,
+# fwdQ in registers), forms Z with two full-float32 dots, and walks it backward once. One
+# writer per output.
 
 
 @triton.jit
-def _chunk_prepare_bwd_kernel(
+def _prepare_chunk_bwd(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w, shared_count,
-    T, H, S,
+    d_write_w, d_decay, d_read_w,
+    n, p, j0, T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    if SPARSE:
-        if tl.load(shared_count + p * tl.num_programs(0) + n) >= 0:
-            return
-    j0 = tl.program_id(2) * BJ
     h = p % H
     if VARLEN:
         tok0 = tl.load(chunks + 2 * n)
@@ -380,6 +395,33 @@ def _chunk_prepare_bwd_kernel(
     tl.store(d_read_w + ro, tl.where(ok_r, rdw + own_gr * rupto, 0.0), mask=rdef_ok)
 
 
+@triton.jit
+def _chunk_prepare_bwd_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+    d_write_w, d_decay, d_read_w, shared_count,
+    T, H, S, N, P,
+    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
+    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    SPARSE: tl.constexpr,
+):
+    if SPARSE:   # the heavy chunks alone: see _chunk_prepare_kernel
+        step = tl.num_programs(0)
+        for k in range(tl.cdiv(N * P, step)):
+            chunk = tl.program_id(0) + k * step
+            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
+                for jb in range(C // BJ):
+                    _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA,
+                                       dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+                                       d_write_w, d_decay, d_read_w, chunk % N, chunk // N,
+                                       jb * BJ, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
+    else:
+        _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK,
+                           d_gather_w, d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay,
+                           d_read_w, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BJ,
+                           T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
+
+
 def chunk_prepare_bwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     """(WP, RP, BJ): BJ tokens' entries per program, about 64 write entries and at least 16."""
     wp = triton.next_power_of_2(max(W, 1))
@@ -407,8 +449,9 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     shared = _sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags,
                             write_idx.device)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
-    wrap_triton(_chunk_prepare_bwd_kernel)[(N, P, C // bj)](
-        *common, write_idx if shared is None else shared, T, H, bank_rows,
+    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
+    wrap_triton(_chunk_prepare_bwd_kernel)[grid](
+        *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
@@ -452,7 +495,16 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
 
 COMPACT = 32           # MC: the pairs kernel's window, the largest bucket it takes (a power of 2)
 SPARSE_ENTRIES = 2048  # the sparse path runs when a chunk has at most this many entry positions
-_SORT_WARPS = 8
+_SORT_WARPS = 4
+_PAIRS_WARPS = 4   # the one-window tier's, below chunk 128
+# A launch for the few chunks of one kind (the windowed tier's, the dense kernels' heavy ones
+# after the sparse path) runs at most this many chunk programs, each walking every G-th chunk.
+_STRIDED_PROGRAMS = 264
+
+
+def _strided_grid(N: int, P: int) -> tuple[int, int]:
+    """The chunk grid of a launch for few chunks of N * P (see _STRIDED_PROGRAMS)."""
+    return min(N * P, _STRIDED_PROGRAMS), 1
 
 
 def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
@@ -483,13 +535,17 @@ def _sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags
         sort, pairs = wrap_triton(_chunk_sort_kernel), wrap_triton(_chunk_pairs_kernel)
     sort[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS)
     # Two tiers by shared entries (LO < m <= HI): most chunks have at most MC and take one
-    # window, straight code; the rest take a loop over windows (more registers: ptxas spills
-    # when its windows are 64 entries, hence MC = 32). The forward holds A and QK ([C, C]
-    # each) across the loop: 8 warps hold them without spilling where 4 spilled 680 bytes
-    # (chunk 64) and 43 KB (chunk 128) a thread; a chunk of 128 takes 8 warps in both tiers.
+    # window, straight code (in the backward, of MH = MC / 2 entries where those hold them:
+    # most chunks of the reference workload, PERF_NOTES 29); the rest take a loop over windows
+    # (more registers: ptxas spills when its windows are 64 entries, hence MC = 32), a grid
+    # of at most _STRIDED_PROGRAMS. The forward holds A and QK ([C, C] each) across the loop:
+    # 8 warps hold them without spilling where 4 spilled 680 bytes (chunk 64) and 43 KB
+    # (chunk 128) a thread; a chunk of 128 takes 8 warps in both tiers.
     for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
-        pairs[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, LO=lo, HI=hi,
-                      num_warps=8 if C >= 128 or hi > mc else 4)
+        grid = (N, P) if hi <= mc else _strided_grid(N, P)
+        pairs[grid](*common, shared, compact, T, H, bank_rows, N, P, **sizes, LO=lo, HI=hi,
+                    **(dict(MH=max(16, mc // 2)) if backward else {}),
+                    num_warps=8 if C >= 128 or hi > mc else _PAIRS_WARPS)
     return shared
 
 
@@ -545,10 +601,11 @@ def _bucket(raw, HB: tl.constexpr):
 def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr, MC: tl.constexpr):
     """Sort a chunk's entries (indices ``raw`` [NP] by position) by slot hash.
 
-    Returns the sorted positions, which of them share a hash bucket with another entry (every
-    entry that shares a slot does; invalid entries never do), each one's place among those (an
-    exclusive running count), and the chunk's count of them, or -1 when a bucket holds more
-    than MC entries (the chunk is heavy)."""
+    Returns the sorted positions, which of them are valid (an existing entry with a slot in
+    [0, S)), which share a hash bucket with another entry (every entry that shares a slot does;
+    invalid entries never do), each one's place among those (an exclusive running count), and
+    the chunk's count of them, or -1 when a bucket holds more than MC entries (the chunk is
+    heavy)."""
     HB: tl.constexpr = 30 - KB
     NONE: tl.constexpr = (1 << HB) - 1                 # the invalid entries' bucket
     i = tl.arange(0, NP)
@@ -564,7 +621,7 @@ def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr, MC: tl.c
     back = tl.gather(b, tl.maximum(i - MC, 0), 0)
     heavy = tl.sum(((b != NONE) & (i >= MC) & (back == b)).to(tl.int32), 0) > 0
     m = tl.where(heavy, -1, tl.sum(shared.to(tl.int32), 0))
-    return keys & (NP - 1), shared, place, m
+    return keys & (NP - 1), b != NONE, shared, place, m
 
 
 @triton.jit
@@ -607,15 +664,13 @@ def _chunk_sort_kernel(
     raw = tl.where(is_read,
                    tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
                    tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
-    pos, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
+    pos, valid, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
     _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
 
     # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
     wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM)
-    raw_w = tl.load(write_idx + wo, mask=lone_w, other=-1)
-    raw_r = tl.load(read_idx + ro, mask=lone_r, other=-1)
-    ok_w = lone_w & (raw_w >= 0) & (raw_w < S)
-    ok_r = lone_r & (raw_r >= 0) & (raw_r < S)
+    ok_w = lone_w & valid
+    ok_r = lone_r & valid
     w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
     if HAS_DECAY:
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
@@ -652,15 +707,13 @@ def _chunk_sort_bwd_kernel(
     raw = tl.where(is_read,
                    tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
                    tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
-    pos, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
+    pos, valid, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
     _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
 
     # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
     wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM)
-    raw_w = tl.load(write_idx + wo, mask=lone_w, other=-1)
-    raw_r = tl.load(read_idx + ro, mask=lone_r, other=-1)
-    ok_w = lone_w & (raw_w >= 0) & (raw_w < S)
-    ok_r = lone_r & (raw_r >= 0) & (raw_r < S)
+    ok_w = lone_w & valid
+    ok_r = lone_r & valid
     gw = tl.load(d_gather_w + wo, mask=ok_w, other=0.0).to(tl.float32)
     if HAS_DECAY:
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
@@ -785,57 +838,73 @@ def _pairs_window(write_idx, write_w, decay, read_idx, read_w, gather_w, gather_
 
 
 @triton.jit
+def _pairs_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w, gather_r,
+                 scatter_w, row_decay, rank, read_rank, shared_count, compact, chunk, T, H, N, P,
+                 W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
+                 KB: tl.constexpr, MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+                 C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk ``chunk`` of the pairs kernel, if it is its tier's (LO < shared entries <= HI)."""
+    m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
+    if (m > LO) & (m <= HI):   # not past the last chunk, nor another tier's, nor heavy (-1)
+        n = chunk % N
+        h = (chunk // N) % H
+        if VARLEN:   # loaded here: see _tiles.bank_slots
+            tok0 = tl.load(chunks + 2 * n)
+        else:
+            tok0, _ = dense_chunk(n, chunk // N, T, H, C)
+        a_acc = tl.zeros((C, C), tl.float32)
+        q_acc = tl.zeros((C, C), tl.float32)
+        if HI <= MC:   # one window (a second window size, as the backward has, spills here)
+            a_acc, q_acc = _pairs_window(
+                write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
+                row_decay, rank, read_rank, compact, chunk, 0, m, tok0, h, H, a_acc, q_acc,
+                W, R, EM, NP, MC, C, HAS_DECAY)
+        else:          # windows in list order, their terms summed into A and QK in that order
+            base = compact + chunk.to(tl.int64) * NP
+            a = tl.arange(0, MC)
+            s = 0
+            while s < m:
+                inside = s + a < m
+                more = s + MC < m
+                _, is_read, _, wo, ro = _entry_offsets(
+                    tl.load(base + s + a, mask=inside, other=0), tok0, h, H, W, R, EM)
+                _, is_read_n, _, wo_n, ro_n = _entry_offsets(
+                    tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
+                slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
+                                tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
+                slot_n = tl.where(is_read_n,
+                                  tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
+                                  tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
+                size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
+                a_acc, q_acc = _pairs_window(
+                    write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
+                    row_decay, rank, read_rank, compact, chunk, s, size, tok0, h, H, a_acc,
+                    q_acc, W, R, EM, NP, MC, C, HAS_DECAY)
+                s += tl.maximum(size, 1)
+        cols = tl.arange(0, C)
+        tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
+        tl.store(A + tile, a_acc)
+        tl.store(QK + tile, q_acc)
+
+
+@triton.jit
 def _chunk_pairs_kernel(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
-    T, H, S,
+    T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
     MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
     HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    h = p % H
-    chunk = p * tl.num_programs(0) + n
-    m = tl.load(shared_count + chunk)
-    if (m > HI) | (m <= LO):   # another tier's chunk, or a heavy one (-1)
-        return
-    if VARLEN:   # loaded here: see _tiles.bank_slots
-        tok0 = tl.load(chunks + 2 * n)
-    else:
-        tok0, _ = dense_chunk(n, p, T, H, C)
-    cols = tl.arange(0, C)
-    tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
-    a_acc = tl.zeros((C, C), tl.float32)
-    q_acc = tl.zeros((C, C), tl.float32)
-    if HI <= MC:   # one window
-        a_acc, q_acc = _pairs_window(
-            write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
-            row_decay, rank, read_rank, compact, chunk, 0, m, tok0, h, H, a_acc, q_acc,
-            W, R, EM, NP, MC, C, HAS_DECAY)
-    else:          # windows in list order, their terms summed into A and QK in that order
-        base = compact + chunk.to(tl.int64) * NP
-        a = tl.arange(0, MC)
-        s = 0
-        while s < m:
-            inside = s + a < m
-            more = s + MC < m
-            _, is_read, _, wo, ro = _entry_offsets(tl.load(base + s + a, mask=inside, other=0),
-                                                   tok0, h, H, W, R, EM)
-            _, is_read_n, _, wo_n, ro_n = _entry_offsets(
-                tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
-            slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
-                            tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
-            slot_n = tl.where(is_read_n, tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
-                              tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
-            size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
-            a_acc, q_acc = _pairs_window(
-                write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
-                row_decay, rank, read_rank, compact, chunk, s, size, tok0, h, H, a_acc, q_acc,
-                W, R, EM, NP, MC, C, HAS_DECAY)
-            s += tl.maximum(size, 1)
-    tl.store(A + tile, a_acc)
-    tl.store(QK + tile, q_acc)
+    args = (write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w, gather_r,
+            scatter_w, row_decay, rank, read_rank, shared_count, compact)
+    if HI <= MC:   # the one-window tier: grid (N, P), one program a chunk
+        _pairs_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
+                     W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
+    else:          # the windowed tier, for the rare chunks of more than MC: see _STRIDED_PROGRAMS
+        for k in range(tl.cdiv(N * P, tl.num_programs(0))):
+            _pairs_chunk(*args, tl.program_id(0) + k * tl.num_programs(0), T, H, N, P,
+                         W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
 
 
 # The pairs' backward, in the compact list's terms (x, a, c on one slot; c a write group's first
@@ -888,50 +957,73 @@ def _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_ga
 
 
 @triton.jit
+def _pairs_bwd_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK, d_gather_w,
+                     d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
+                     shared_count, compact, chunk, T, H, N, P,
+                     W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
+                     KB: tl.constexpr, MC: tl.constexpr, MH: tl.constexpr, LO: tl.constexpr,
+                     HI: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                     VARLEN: tl.constexpr):
+    """Chunk ``chunk`` of the pairs' backward kernel, if it is its tier's."""
+    m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
+    if (m > LO) & (m <= HI):
+        n = chunk % N
+        h = (chunk // N) % H
+        if VARLEN:   # loaded here: see _tiles.bank_slots
+            tok0 = tl.load(chunks + 2 * n)
+        else:
+            tok0, _ = dense_chunk(n, chunk // N, T, H, C)
+        grads = (dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay,
+                 d_read_w, compact, chunk)
+        if HI <= MC:   # one window, of MH entries where they hold the chunk's
+            if m <= MH:
+                _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, *grads, 0, m,
+                                  tok0, h, H, W, R, EM, NP, MH, C, HAS_DECAY)
+            else:
+                _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, *grads, 0, m,
+                                  tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
+        else:          # the forward's windows (see _pairs_chunk)
+            base = compact + chunk.to(tl.int64) * NP
+            a = tl.arange(0, MC)
+            s = 0
+            while s < m:
+                inside = s + a < m
+                more = s + MC < m
+                _, is_read, _, wo, ro = _entry_offsets(
+                    tl.load(base + s + a, mask=inside, other=0), tok0, h, H, W, R, EM)
+                _, is_read_n, _, wo_n, ro_n = _entry_offsets(
+                    tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
+                slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
+                                tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
+                slot_n = tl.where(is_read_n,
+                                  tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
+                                  tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
+                size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
+                _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, *grads, s, size,
+                                  tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
+                s += tl.maximum(size, 1)
+
+
+@triton.jit
 def _chunk_pairs_bwd_kernel(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
     d_write_w, d_decay, d_read_w, shared_count, compact,
-    T, H, S,
+    T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
-    MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
-    HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    MC: tl.constexpr, MH: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+    C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    h = p % H
-    chunk = p * tl.num_programs(0) + n
-    m = tl.load(shared_count + chunk)
-    if (m > HI) | (m <= LO):
-        return
-    if VARLEN:   # loaded here: see _tiles.bank_slots
-        tok0 = tl.load(chunks + 2 * n)
+    args = (write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK, d_gather_w,
+            d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w, shared_count,
+            compact)
+    if HI <= MC:   # the tiers' grids: see _chunk_pairs_kernel
+        _pairs_bwd_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
+                         W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY, VARLEN)
     else:
-        tok0, _ = dense_chunk(n, p, T, H, C)
-    if HI <= MC:   # one window
-        _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_gather_w,
-                          d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
-                          compact, chunk, 0, m, tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
-    else:          # the forward's windows (see _chunk_pairs_kernel)
-        base = compact + chunk.to(tl.int64) * NP
-        a = tl.arange(0, MC)
-        s = 0
-        while s < m:
-            inside = s + a < m
-            more = s + MC < m
-            _, is_read, _, wo, ro = _entry_offsets(tl.load(base + s + a, mask=inside, other=0),
-                                                   tok0, h, H, W, R, EM)
-            _, is_read_n, _, wo_n, ro_n = _entry_offsets(
-                tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
-            slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
-                            tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
-            slot_n = tl.where(is_read_n, tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
-                              tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
-            size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
-            _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_gather_w,
-                              d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
-                              compact, chunk, s, size, tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
-            s += tl.maximum(size, 1)
+        for k in range(tl.cdiv(N * P, tl.num_programs(0))):
+            _pairs_bwd_chunk(*args, tl.program_id(0) + k * tl.num_programs(0), T, H, N, P,
+                             W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY, VARLEN)
 
 
 @triton.jit
