@@ -711,9 +711,10 @@ def _pairs(same, lower, tok, is_read):
 
 # Inductor finds what a user kernel writes by following each store's address back through
 # the kernel's IR, stopping at loads, but not at the results of a helper's call: an address
-# (or a loop's window start) made from what a helper loaded makes the tensors it loaded from
-# look written. So every index below is loaded in the function that stores through it, the
-# window's bounds in the kernel body; the helpers that return offsets only compute.
+# made from what a helper loaded makes the tensors it loaded from look written. So every index
+# below is loaded in the function that stores through it, and the helpers that return offsets
+# only compute; _window_at loads, but the window size it returns reaches masks and load
+# addresses only (tests/test_kernels_compile_sm90.py checks what each kernel is seen to write).
 
 
 @triton.jit
@@ -739,6 +740,25 @@ def _window_size(slot, slot_after, more, size, KB: tl.constexpr, MC: tl.constexp
     starts = (a > 0) & (bucket != tl.gather(bucket, tl.maximum(a - 1, 0), 0))
     cut = tl.max(tl.where(starts, a, 0), 0)
     return tl.where(more & (_bucket(slot_after.to(tl.int64), HB) == last), cut, size)
+
+
+@triton.jit
+def _window_at(read_idx, write_idx, base, s, m, tok0, h, H, W: tl.constexpr, R: tl.constexpr,
+               EM: tl.constexpr, KB: tl.constexpr, MC: tl.constexpr):
+    """``_window_size`` of the window from entry s of a chunk's compact list of m entries
+    (``base``: the list), its slots loaded here."""
+    a = tl.arange(0, MC)
+    inside = s + a < m
+    more = s + MC < m
+    _, is_read, _, wo, ro = _entry_offsets(tl.load(base + s + a, mask=inside, other=0), tok0, h,
+                                           H, W, R, EM)
+    _, is_read_n, _, wo_n, ro_n = _entry_offsets(tl.load(base + s + MC, mask=more, other=0),
+                                                 tok0, h, H, W, R, EM)
+    slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
+                    tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
+    slot_n = tl.where(is_read_n, tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
+                      tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
+    return _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
 
 
 @triton.jit
@@ -818,21 +838,9 @@ def _pairs_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gat
                 W, R, EM, NP, MC, C, HAS_DECAY)
         else:          # windows in list order, their terms summed into A and QK in that order
             base = compact + chunk.to(tl.int64) * NP
-            a = tl.arange(0, MC)
             s = 0
             while s < m:
-                inside = s + a < m
-                more = s + MC < m
-                _, is_read, _, wo, ro = _entry_offsets(
-                    tl.load(base + s + a, mask=inside, other=0), tok0, h, H, W, R, EM)
-                _, is_read_n, _, wo_n, ro_n = _entry_offsets(
-                    tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
-                slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
-                                tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
-                slot_n = tl.where(is_read_n,
-                                  tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
-                                  tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
-                size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
+                size = _window_at(read_idx, write_idx, base, s, m, tok0, h, H, W, R, EM, KB, MC)
                 a_acc, q_acc = _pairs_window(
                     write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
                     row_decay, rank, read_rank, compact, chunk, s, size, tok0, h, H, a_acc,
@@ -941,21 +949,9 @@ def _pairs_bwd_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQ
                                   tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
         else:          # the forward's windows (see _pairs_chunk)
             base = compact + chunk.to(tl.int64) * NP
-            a = tl.arange(0, MC)
             s = 0
             while s < m:
-                inside = s + a < m
-                more = s + MC < m
-                _, is_read, _, wo, ro = _entry_offsets(
-                    tl.load(base + s + a, mask=inside, other=0), tok0, h, H, W, R, EM)
-                _, is_read_n, _, wo_n, ro_n = _entry_offsets(
-                    tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM)
-                slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
-                                tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
-                slot_n = tl.where(is_read_n,
-                                  tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
-                                  tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
-                size = _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
+                size = _window_at(read_idx, write_idx, base, s, m, tok0, h, H, W, R, EM, KB, MC)
                 _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, *grads, s, size,
                                   tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
                 s += tl.maximum(size, 1)
