@@ -98,12 +98,15 @@ def test_phase1_and_backward_match_float64_on_both_paths(heavy_flags, compact, c
         assert torch.equal(seen[0], seen[1]), "forward and backward split chunks differently"
 
 
-def test_the_paths_split_chunks_and_both_run(heavy_flags):
+def test_the_paths_split_chunks_and_both_run(heavy_flags, monkeypatch):
     """With a window of 16, some chunks of the same call are light and some heavy: in every
     other chunk of stream 0 and in chunk 1 of stream 3, a slot that 9 tokens write twice (18
-    entries in a bucket)."""
+    entries in a bucket). The dense kernels' grid is bounded to 2 chunk programs, so that one
+    of them takes the heavy chunks 0 and 2 (the second on its second step), the other the
+    last stream's."""
     seen, set_compact = heavy_flags
     set_compact(16)
+    monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 2)
     a = make_sdm_inputs(B=2, H=2, D=16, T=64, W=8, R=8, S=2000, seed=3, device=KERNEL_DEVICE)
     for b, h, n in ((0, 0, 0), (0, 0, 2), (1, 1, 1)):
         a["write_idx"][b, 16 * n:16 * n + 9, h, :2] = 1999

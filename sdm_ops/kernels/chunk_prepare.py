@@ -35,8 +35,9 @@ entries each. The dense kernels below take the rest ("heavy" chunks; every chunk
 geometry has no sparse path): grid (N, B * H, C // BJ), a program
 owns BJ tokens ("own" entries: their W write and R read entries) of one chunk and walks the
 chunk's C tokens in order, matching each token's entries against its own, and writes the
-columns of its tokens in A and QK and its entries' weights. Launched after the sparse path, a
-dense program returns at once unless its chunk is heavy. On either path each output element has
+columns of its tokens in A and QK and its entries' weights. Launched after the sparse path,
+a dense kernel has at most _STRIDED_PROGRAMS programs, each walking every G-th chunk and
+taking a heavy one whole, BJ tokens at a time. On either path each output element has
 one writer and every sum and product runs in a fixed order, so the result is bitwise
 deterministic.
 """
@@ -81,20 +82,13 @@ def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: 
 
 
 @triton.jit
-def _chunk_prepare_kernel(
+def _prepare_chunk(
     write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count,
-    T, H, S,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+    n, p, j0, N, T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    if SPARSE:   # the sparse path has done every chunk but the heavy ones (count -1)
-        if tl.load(shared_count + p * tl.num_programs(0) + n) >= 0:
-            return
-    j0 = tl.program_id(2) * BJ
     h = p % H
     if VARLEN:
         tok0 = tl.load(chunks + 2 * n)
@@ -130,7 +124,7 @@ def _chunk_prepare_kernel(
     flat_b = jj[:, None] * WP + ow[None, :]
     flat_r = jj[:, None] * RP + orr[None, :]
 
-    a_base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
+    a_base = (p.to(tl.int64) * N + n) * C * C
     for t in range(0, C):
         row_t = (tok0 + t) * H + h
         ok_t = t < count
@@ -172,6 +166,32 @@ def _chunk_prepare_kernel(
     tl.store(read_rank + r_off, tl.where(v_r, rcnt, 0), mask=r_ok)
 
 
+@triton.jit
+def _chunk_prepare_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count,
+    T, H, S, N, P,
+    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
+    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    SPARSE: tl.constexpr,
+):
+    if SPARSE:   # the heavy chunks alone (count -1), usually none: see _STRIDED_PROGRAMS
+        step = tl.num_programs(0)
+        for k in range(tl.cdiv(N * P, step)):
+            chunk = tl.program_id(0) + k * step
+            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
+                for jb in range(C // BJ):
+                    _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK,
+                                   gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
+                                   chunk % N, chunk // N, jb * BJ, N, T, H, S, W, R, WP, RP, C,
+                                   BJ, HAS_DECAY, VARLEN)
+    else:        # grid (N, P, C // BJ): a program takes BJ tokens of one chunk
+        _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w,
+                       gather_r, scatter_w, row_decay, rank, read_rank, tl.program_id(0),
+                       tl.program_id(1), tl.program_id(2) * BJ, N, T, H, S, W, R, WP, RP, C,
+                       BJ, HAS_DECAY, VARLEN)
+
+
 def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     """(WP, RP, BJ): padded entry counts and own tokens per program."""
     wp = triton.next_power_of_2(max(W, 1))
@@ -202,8 +222,9 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     shared = _sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags,
                             write_idx.device)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
-    wrap_triton(_chunk_prepare_kernel)[(N, P, C // bj)](
-        *common, write_idx if shared is None else shared, T, H, bank_rows,
+    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
+    wrap_triton(_chunk_prepare_kernel)[grid](
+        *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
@@ -231,27 +252,21 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
 # divided and decays of 0 are exact. For a read entry r (token i, slot s):
 #   dw_r = sum_{j <= i} dQK[i, j] K(j) prod d over (j, i] + dgr_r prod_{t <= i} d_t.
 #
-# Grid: (N, B * H, C // BJ); a program owns the write and read entries of BJ tokens, flattened
-# (E = BJ * WP write entries), walks the chunk forward once (building fwdK, fwdQ in registers),
-# forms Z with two full-float32 dots, and walks it backward once. One writer per output.
+# Grid: that of the forward's dense kernel; a program owns the write and read entries of BJ
+# tokens, flattened (E = BJ * WP write entries), walks the chunk forward once (building fwdK,
+# fwdQ in registers), forms Z with two full-float32 dots, and walks it backward once. One
+# writer per output.
 
 
 @triton.jit
-def _chunk_prepare_bwd_kernel(
+def _prepare_chunk_bwd(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w, shared_count,
-    T, H, S,
+    d_write_w, d_decay, d_read_w,
+    n, p, j0, N, T, H, S,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    if SPARSE:
-        if tl.load(shared_count + p * tl.num_programs(0) + n) >= 0:
-            return
-    j0 = tl.program_id(2) * BJ
     h = p % H
     if VARLEN:
         tok0 = tl.load(chunks + 2 * n)
@@ -281,7 +296,7 @@ def _chunk_prepare_bwd_kernel(
     ok_r = rdef_ok & (s_r >= 0) & (s_r < S)
     s_r = tl.where(ok_r, s_r, -2)
 
-    a_base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
+    a_base = (p.to(tl.int64) * N + n) * C * C
     # Forward walk.
     fwd = tl.full((E,), 1.0, tl.float32)
     ub = tl.full((E,), 1.0, tl.float32)       # prod_{t < t_e} d_t
@@ -380,6 +395,34 @@ def _chunk_prepare_bwd_kernel(
     tl.store(d_read_w + ro, tl.where(ok_r, rdw + own_gr * rupto, 0.0), mask=rdef_ok)
 
 
+@triton.jit
+def _chunk_prepare_bwd_kernel(
+    write_idx, write_w, decay, read_idx, read_w, chunks,
+    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+    d_write_w, d_decay, d_read_w, shared_count,
+    T, H, S, N, P,
+    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
+    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    SPARSE: tl.constexpr,
+):
+    if SPARSE:   # the heavy chunks alone: see _chunk_prepare_kernel
+        step = tl.num_programs(0)
+        for k in range(tl.cdiv(N * P, step)):
+            chunk = tl.program_id(0) + k * step
+            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
+                for jb in range(C // BJ):
+                    _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA,
+                                       dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
+                                       d_write_w, d_decay, d_read_w, chunk % N, chunk // N,
+                                       jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY,
+                                       VARLEN)
+    else:
+        _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK,
+                           d_gather_w, d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay,
+                           d_read_w, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BJ,
+                           N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
+
+
 def chunk_prepare_bwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     """(WP, RP, BJ): BJ tokens' entries per program, about 64 write entries and at least 16."""
     wp = triton.next_power_of_2(max(W, 1))
@@ -407,8 +450,9 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     shared = _sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags,
                             write_idx.device)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
-    wrap_triton(_chunk_prepare_bwd_kernel)[(N, P, C // bj)](
-        *common, write_idx if shared is None else shared, T, H, bank_rows,
+    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
+    wrap_triton(_chunk_prepare_bwd_kernel)[grid](
+        *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
@@ -454,8 +498,8 @@ COMPACT = 32           # MC: the pairs kernel's window, the largest bucket it ta
 SPARSE_ENTRIES = 2048  # the sparse path runs when a chunk has at most this many entry positions
 _SORT_WARPS = 4
 _PAIRS_WARPS = 4   # the one-window tier's, below chunk 128
-# The windowed tier's launch, for its few chunks, runs at most this many chunk programs, each
-# walking every G-th chunk (PERF_NOTES 29).
+# A launch for the few chunks of one kind (the windowed tier's, the dense kernels' heavy ones
+# after the sparse path) runs at most this many chunk programs, each walking every G-th chunk.
 _STRIDED_PROGRAMS = 264
 
 
