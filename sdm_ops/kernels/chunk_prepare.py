@@ -82,6 +82,21 @@ def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: 
 
 
 @triton.jit
+def _walk(k0, KS: tl.constexpr):
+    """Steps k0 .. k0 + KS - 1 of this program's walk of the chunks: every G-th chunk from its
+    own, G the grid's width. Its caller loads their counts in one vector (see
+    _tiles.bank_slots for why here), so a walk loads nothing more for the chunks it passes."""
+    return tl.program_id(0) + (k0 + tl.arange(0, KS)) * tl.num_programs(0)
+
+
+@triton.jit
+def _next_chunk(chunk, todo, N, P):
+    """The first chunk of ``todo`` and ``todo`` without it."""
+    c = tl.min(tl.where(todo, chunk, N * P))
+    return c, todo & (chunk != c)
+
+
+@triton.jit
 def _prepare_chunk(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
@@ -173,18 +188,20 @@ def _chunk_prepare_kernel(
     T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr,
+    SPARSE: tl.constexpr, WALK: tl.constexpr,
 ):
     if SPARSE:   # the heavy chunks alone (count -1), usually none: see _STRIDED_PROGRAMS
-        step = tl.num_programs(0)
-        for k in range(tl.cdiv(N * P, step)):
-            chunk = tl.program_id(0) + k * step
-            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
+        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
+            chunk = _walk(k0, WALK)
+            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=0)
+            todo = m < 0
+            for _ in range(tl.sum(todo.to(tl.int32))):
+                c, todo = _next_chunk(chunk, todo, N, P)
                 for jb in range(C // BJ):
                     _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK,
                                    gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-                                   chunk % N, chunk // N, jb * BJ, N, T, H, S, W, R, WP, RP, C,
-                                   BJ, HAS_DECAY, VARLEN)
+                                   c % N, c // N, jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ,
+                                   HAS_DECAY, VARLEN)
     else:        # grid (N, P, C // BJ): a program takes BJ tokens of one chunk
         _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w,
                        gather_r, scatter_w, row_decay, rank, read_rank, tl.program_id(0),
@@ -225,7 +242,7 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
     wrap_triton(_chunk_prepare_kernel)[grid](
         *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, WALK=_WALK,
         num_warps=_NUM_WARPS, **flags)
 
 
@@ -403,19 +420,20 @@ def _chunk_prepare_bwd_kernel(
     T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr,
+    SPARSE: tl.constexpr, WALK: tl.constexpr,
 ):
     if SPARSE:   # the heavy chunks alone: see _chunk_prepare_kernel
-        step = tl.num_programs(0)
-        for k in range(tl.cdiv(N * P, step)):
-            chunk = tl.program_id(0) + k * step
-            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
+        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
+            chunk = _walk(k0, WALK)
+            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=0)
+            todo = m < 0
+            for _ in range(tl.sum(todo.to(tl.int32))):
+                c, todo = _next_chunk(chunk, todo, N, P)
                 for jb in range(C // BJ):
                     _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA,
                                        dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-                                       d_write_w, d_decay, d_read_w, chunk % N, chunk // N,
-                                       jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY,
-                                       VARLEN)
+                                       d_write_w, d_decay, d_read_w, c % N, c // N, jb * BJ, N,
+                                       T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
     else:
         _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK,
                            d_gather_w, d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay,
@@ -453,7 +471,7 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
     wrap_triton(_chunk_prepare_bwd_kernel)[grid](
         *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, WALK=_WALK,
         num_warps=_NUM_WARPS, **flags)
 
 
@@ -501,6 +519,7 @@ _PAIRS_WARPS = 4   # the one-window tier's, below chunk 128
 # A launch for the few chunks of one kind (the windowed tier's, the dense kernels' heavy ones
 # after the sparse path) runs at most this many chunk programs, each walking every G-th chunk.
 _STRIDED_PROGRAMS = 264
+_WALK = 16   # the chunks whose counts such a program loads at once
 
 
 def _strided_grid(N: int, P: int) -> tuple[int, int]:
@@ -545,7 +564,7 @@ def _sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags
     for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
         grid = (N, P) if hi <= mc else _strided_grid(N, P)
         pairs[grid](*common, shared, compact, T, H, bank_rows, N, P, **sizes, LO=lo, HI=hi,
-                    **(dict(MH=max(16, mc // 2)) if backward else {}),
+                    WALK=_WALK, **(dict(MH=max(16, mc // 2)) if backward else {}),
                     num_warps=8 if C >= 128 or hi > mc else _PAIRS_WARPS)
     return shared
 
@@ -903,7 +922,7 @@ def _chunk_pairs_kernel(
     T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
     MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
-    HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr,
 ):
     args = (write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w, gather_r,
             scatter_w, row_decay, rank, read_rank, shared_count, compact)
@@ -911,9 +930,14 @@ def _chunk_pairs_kernel(
         _pairs_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
                      W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
     else:          # the windowed tier, for the rare chunks of more than MC: see _STRIDED_PROGRAMS
-        for k in range(tl.cdiv(N * P, tl.num_programs(0))):
-            _pairs_chunk(*args, tl.program_id(0) + k * tl.num_programs(0), T, H, N, P,
-                         W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
+        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
+            chunk = _walk(k0, WALK)
+            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
+            todo = (m > LO) & (m <= HI)
+            for _ in range(tl.sum(todo.to(tl.int32))):
+                c, todo = _next_chunk(chunk, todo, N, P)
+                _pairs_chunk(*args, c, T, H, N, P, W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY,
+                             VARLEN)
 
 
 # The pairs' backward, in the compact list's terms (x, a, c on one slot; c a write group's first
@@ -1009,7 +1033,7 @@ def _chunk_pairs_bwd_kernel(
     T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
     MC: tl.constexpr, MH: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr,
 ):
     args = (write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK, d_gather_w,
             d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w, shared_count,
@@ -1018,9 +1042,14 @@ def _chunk_pairs_bwd_kernel(
         _pairs_bwd_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
                          W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY, VARLEN)
     else:
-        for k in range(tl.cdiv(N * P, tl.num_programs(0))):
-            _pairs_bwd_chunk(*args, tl.program_id(0) + k * tl.num_programs(0), T, H, N, P,
-                             W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY, VARLEN)
+        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
+            chunk = _walk(k0, WALK)
+            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
+            todo = (m > LO) & (m <= HI)
+            for _ in range(tl.sum(todo.to(tl.int32))):
+                c, todo = _next_chunk(chunk, todo, N, P)
+                _pairs_bwd_chunk(*args, c, T, H, N, P, W, R, EM, NP, KB, MC, MH, LO, HI, C,
+                                 HAS_DECAY, VARLEN)
 
 
 @triton.jit
