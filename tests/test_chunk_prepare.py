@@ -101,14 +101,12 @@ def test_phase1_and_backward_match_float64_on_both_paths(heavy_flags, compact, c
 def test_the_paths_split_chunks_and_both_run(heavy_flags, monkeypatch):
     """With a window of 16, some chunks of the same call are light and some heavy: in every
     other chunk of stream 0 and in chunk 1 of stream 3, a slot that 9 tokens write twice (18
-    entries in a bucket). The dense kernels' grid is bounded to 2 chunk programs that load
-    the counts of 2 chunks of their walk at a time, so that one of them takes the heavy
-    chunks 0 and 2 (the second on its second step, of its first load), the other the last
-    stream's (its seventh step, of its fourth load)."""
+    entries in a bucket). The dense kernels' grid is bounded to 2 chunk programs, so that one
+    of them takes the heavy chunks 0 and 2 (the second on its second step), the other the
+    last stream's."""
     seen, set_compact = heavy_flags
     set_compact(16)
     monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 2)
-    monkeypatch.setattr(kernel, "_WALK", 2)
     a = make_sdm_inputs(B=2, H=2, D=16, T=64, W=8, R=8, S=2000, seed=3, device=KERNEL_DEVICE)
     for b, h, n in ((0, 0, 0), (0, 0, 2), (1, 1, 1)):
         a["write_idx"][b, 16 * n:16 * n + 9, h, :2] = 1999
@@ -122,12 +120,13 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
     """A small bank: most of a chunk's 128 entries share a slot, in buckets of a few entries,
     so the sparse path takes every chunk in several windows of 16 (and the forward sums A and
     QK over them), with no chunk left to the dense path. The windowed tier's grid is bounded
-    to 4 programs that load one chunk's count at a time, so that two of them take two of the
-    6 chunks each, one a load."""
+    to 2 programs that load the counts of 2 chunks of their walk at a time: program 0 takes
+    chunks 0 and 2 from its first load and chunk 4 from its second (whose other chunk, 6, is
+    past the last), program 1 chunks 1, 3 and 5."""
     seen, set_compact = heavy_flags
     set_compact(16)
-    monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 4)
-    monkeypatch.setattr(kernel, "_WALK", 1)
+    monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 2)
+    monkeypatch.setattr(kernel, "_WALK", 2)
     windows = []
     launch = kernel.wrap_triton
 
@@ -151,7 +150,7 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
     assert (shared > 16).all(), f"shared entries per chunk {shared.tolist()}"
     assert not seen[0].any() and not seen[1].any()
     # (window, largest count, grid) per tier
-    assert windows == [(16, 16, (3, 2)), (16, 128, (4, 1))], windows
+    assert windows == [(16, 16, (3, 2)), (16, 128, (2, 1))], windows
 
 
 def _shared_counts(a, C):

@@ -82,21 +82,6 @@ def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: 
 
 
 @triton.jit
-def _walk(k0, KS: tl.constexpr):
-    """Steps k0 .. k0 + KS - 1 of this program's walk of the chunks: every G-th chunk from its
-    own, G the grid's width. Its caller loads their counts in one vector (see
-    _tiles.bank_slots for why here), so a walk loads nothing more for the chunks it passes."""
-    return tl.program_id(0) + (k0 + tl.arange(0, KS)) * tl.num_programs(0)
-
-
-@triton.jit
-def _next_chunk(chunk, todo, N, P):
-    """The first chunk of ``todo`` and ``todo`` without it."""
-    c = tl.min(tl.where(todo, chunk, N * P))
-    return c, todo & (chunk != c)
-
-
-@triton.jit
 def _prepare_chunk(
     write_idx, write_w, decay, read_idx, read_w, chunks,
     A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
@@ -188,20 +173,18 @@ def _chunk_prepare_kernel(
     T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr, WALK: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     if SPARSE:   # the heavy chunks alone (count -1), usually none: see _STRIDED_PROGRAMS
-        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
-            chunk = _walk(k0, WALK)
-            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=0)
-            todo = m < 0
-            for _ in range(tl.sum(todo.to(tl.int32))):
-                c, todo = _next_chunk(chunk, todo, N, P)
+        step = tl.num_programs(0)
+        for k in range(tl.cdiv(N * P, step)):
+            chunk = tl.program_id(0) + k * step
+            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
                 for jb in range(C // BJ):
                     _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK,
                                    gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-                                   c % N, c // N, jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ,
-                                   HAS_DECAY, VARLEN)
+                                   chunk % N, chunk // N, jb * BJ, N, T, H, S, W, R, WP, RP, C,
+                                   BJ, HAS_DECAY, VARLEN)
     else:        # grid (N, P, C // BJ): a program takes BJ tokens of one chunk
         _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w,
                        gather_r, scatter_w, row_decay, rank, read_rank, tl.program_id(0),
@@ -242,7 +225,7 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
     wrap_triton(_chunk_prepare_kernel)[grid](
         *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, WALK=_WALK,
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
 
@@ -420,20 +403,19 @@ def _chunk_prepare_bwd_kernel(
     T, H, S, N, P,
     W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
-    SPARSE: tl.constexpr, WALK: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     if SPARSE:   # the heavy chunks alone: see _chunk_prepare_kernel
-        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
-            chunk = _walk(k0, WALK)
-            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=0)
-            todo = m < 0
-            for _ in range(tl.sum(todo.to(tl.int32))):
-                c, todo = _next_chunk(chunk, todo, N, P)
+        step = tl.num_programs(0)
+        for k in range(tl.cdiv(N * P, step)):
+            chunk = tl.program_id(0) + k * step
+            if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
                 for jb in range(C // BJ):
                     _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA,
                                        dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-                                       d_write_w, d_decay, d_read_w, c % N, c // N, jb * BJ, N,
-                                       T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
+                                       d_write_w, d_decay, d_read_w, chunk % N, chunk // N,
+                                       jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY,
+                                       VARLEN)
     else:
         _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK,
                            d_gather_w, d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay,
@@ -471,7 +453,7 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
     wrap_triton(_chunk_prepare_bwd_kernel)[grid](
         *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None, WALK=_WALK,
+        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
         num_warps=_NUM_WARPS, **flags)
 
 
@@ -519,12 +501,29 @@ _PAIRS_WARPS = 4   # the one-window tier's, below chunk 128
 # A launch for the few chunks of one kind (the windowed tier's, the dense kernels' heavy ones
 # after the sparse path) runs at most this many chunk programs, each walking every G-th chunk.
 _STRIDED_PROGRAMS = 264
-_WALK = 16   # the chunks whose counts such a program loads at once
+# The chunks whose counts a windowed-tier program loads at once (the dense kernels load one at
+# a time: with this walk their backward took 8x longer when every chunk is heavy, PERF_NOTES 30).
+_WALK = 16
 
 
 def _strided_grid(N: int, P: int) -> tuple[int, int]:
     """The chunk grid of a launch for few chunks of N * P (see _STRIDED_PROGRAMS)."""
     return min(N * P, _STRIDED_PROGRAMS), 1
+
+
+@triton.jit
+def _walk(k0, KS: tl.constexpr):
+    """Steps k0 .. k0 + KS - 1 of this program's walk of the chunks: every G-th chunk from its
+    own, G the grid's width. Its caller loads their counts in one vector (there, not here: see
+    _tiles.bank_slots), so that the walk loads nothing for the chunks it passes over."""
+    return tl.program_id(0) + (k0 + tl.arange(0, KS)) * tl.num_programs(0)
+
+
+@triton.jit
+def _next_chunk(chunk, todo, N, P):
+    """The first chunk of ``todo`` and ``todo`` without it."""
+    c = tl.min(tl.where(todo, chunk, N * P))
+    return c, todo & (chunk != c)
 
 
 def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
