@@ -501,29 +501,15 @@ _PAIRS_WARPS = 4   # the one-window tier's, below chunk 128
 # A launch for the few chunks of one kind (the windowed tier's, the dense kernels' heavy ones
 # after the sparse path) runs at most this many chunk programs, each walking every G-th chunk.
 _STRIDED_PROGRAMS = 264
-# The chunks whose counts a windowed-tier program loads at once (the dense kernels load one at
-# a time: with this walk their backward took 8x longer when every chunk is heavy, PERF_NOTES 30).
+# The chunks whose counts a windowed-tier program loads at once, as independent scalar loads
+# (the dense kernels load one at a time: with 986e415's vector walk their backward took 8x
+# longer when every chunk is heavy, PERF_NOTES 30).
 _WALK = 16
 
 
 def _strided_grid(N: int, P: int) -> tuple[int, int]:
     """The chunk grid of a launch for few chunks of N * P (see _STRIDED_PROGRAMS)."""
     return min(N * P, _STRIDED_PROGRAMS), 1
-
-
-@triton.jit
-def _walk(k0, KS: tl.constexpr):
-    """Steps k0 .. k0 + KS - 1 of this program's walk of the chunks: every G-th chunk from its
-    own, G the grid's width. Its caller loads their counts in one vector (there, not here: see
-    _tiles.bank_slots), so that the walk loads nothing for the chunks it passes over."""
-    return tl.program_id(0) + (k0 + tl.arange(0, KS)) * tl.num_programs(0)
-
-
-@triton.jit
-def _next_chunk(chunk, todo, N, P):
-    """The first chunk of ``todo`` and ``todo`` without it."""
-    c = tl.min(tl.where(todo, chunk, N * P))
-    return c, todo & (chunk != c)
 
 
 def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
@@ -929,14 +915,19 @@ def _chunk_pairs_kernel(
         _pairs_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
                      W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
     else:          # the windowed tier, for the rare chunks of more than MC: see _STRIDED_PROGRAMS
-        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
-            chunk = _walk(k0, WALK)
-            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
-            todo = (m > LO) & (m <= HI)
-            for _ in range(tl.sum(todo.to(tl.int32))):
-                c, todo = _next_chunk(chunk, todo, N, P)
-                _pairs_chunk(*args, c, T, H, N, P, W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY,
-                             VARLEN)
+        g = tl.num_programs(0)
+        for k0 in range(0, tl.cdiv(N * P, g), WALK):
+            bits = 0   # which of the walk's next WALK chunks are the tier's, from their counts
+            # loaded side by side (a vector and its reduction across warps made ptxas spill)
+            for i in tl.static_range(WALK):
+                c = tl.program_id(0) + (k0 + i) * g
+                m = tl.load(shared_count + c, mask=c < N * P, other=LO)
+                bits |= ((m > LO) & (m <= HI)).to(tl.int32) << i
+            if bits != 0:
+                for j in range(WALK):
+                    if ((bits >> j) & 1) != 0:
+                        _pairs_chunk(*args, tl.program_id(0) + (k0 + j) * g, T, H, N, P,
+                                     W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
 
 
 # The pairs' backward, in the compact list's terms (x, a, c on one slot; c a write group's first
@@ -1041,14 +1032,20 @@ def _chunk_pairs_bwd_kernel(
         _pairs_bwd_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
                          W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY, VARLEN)
     else:
-        for k0 in range(0, tl.cdiv(N * P, tl.num_programs(0)), WALK):
-            chunk = _walk(k0, WALK)
-            m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
-            todo = (m > LO) & (m <= HI)
-            for _ in range(tl.sum(todo.to(tl.int32))):
-                c, todo = _next_chunk(chunk, todo, N, P)
-                _pairs_bwd_chunk(*args, c, T, H, N, P, W, R, EM, NP, KB, MC, MH, LO, HI, C,
-                                 HAS_DECAY, VARLEN)
+        g = tl.num_programs(0)
+        for k0 in range(0, tl.cdiv(N * P, g), WALK):
+            bits = 0   # which of the walk's next WALK chunks are the tier's, from their counts
+            # loaded side by side (a vector and its reduction across warps made ptxas spill)
+            for i in tl.static_range(WALK):
+                c = tl.program_id(0) + (k0 + i) * g
+                m = tl.load(shared_count + c, mask=c < N * P, other=LO)
+                bits |= ((m > LO) & (m <= HI)).to(tl.int32) << i
+            if bits != 0:
+                for j in range(WALK):
+                    if ((bits >> j) & 1) != 0:
+                        _pairs_bwd_chunk(*args, tl.program_id(0) + (k0 + j) * g, T, H, N,
+                                         P, W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY,
+                                         VARLEN)
 
 
 @triton.jit
