@@ -12,6 +12,7 @@ inputs, and the stock-PyTorch reference path on the GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 
@@ -450,6 +451,10 @@ def main(argv=None) -> int:
         in_place_floor = floor_bytes(a, in_place=True) / bw * 1e3
         fwd_bwd = forward_backward_fn(a, args.chunk_size)
         bwd_ms = _time_ms(fwd_bwd, reps=5, warmup=2)
+        # Nothing allocated before may be freed inside the measured call (a collected CUDA
+        # graph's pool, say), or the peak above the base reads low.
+        gc.collect()
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         fwd_bwd()
