@@ -13,9 +13,9 @@
 #                  8941e40, 426 s at 653682b with the sanitizer on the other GPU; give it
 #                  PYTEST_TIMEOUT=540)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s;
-#                  216 s at 20afbba)
-#   tests          the rest of tests/ (one H200: 386 s at a0057f1, 479 s at 20afbba; give it
-#                  PYTEST_TIMEOUT=570)
+#                  216 s at 20afbba, 266 s at 6e361bd)
+#   tests          the rest of tests/ (one H200: 386 s at a0057f1, 479 s at 20afbba, 442 at 6e361bd;
+#                  give it PYTEST_TIMEOUT=570)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
 #                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
 #                  run with --addressing reached only its second addressing row in 370 s, so
