@@ -121,8 +121,8 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
     so the sparse path takes every chunk in several windows of 16 (and the forward sums A and
     QK over them), with no chunk left to the dense path. The windowed tier's grid is bounded
     to 2 programs that load the counts of 2 chunks of their walk at a time: program 0 takes
-    chunks 0 and 2 from its first load and chunk 4 from its second (whose other chunk, 6, is
-    past the last), program 1 chunks 1, 3 and 5."""
+    chunks 0 and 2 from its first two loads and chunk 4 from its next two (whose other chunk,
+    6, is past the last), program 1 chunks 1, 3 and 5."""
     seen, set_compact = heavy_flags
     set_compact(16)
     monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 2)
