@@ -88,7 +88,9 @@ def main() -> None:
     launches = _launches(chunk_size)
     env = dict(os.environ)
     done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(launches),
-                          capture_output=True, text=True, env=env, check=True)
+                          capture_output=True, text=True, env=env)
+    if done.returncode:
+        sys.exit(done.stderr[-3000:])
     from triton.backends.nvidia.compiler import get_ptxas
     ptxas = get_ptxas(90)
     ptxas = getattr(ptxas, "path", ptxas)

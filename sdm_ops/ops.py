@@ -319,18 +319,25 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 2: (out, bank_out, snap, snap_scale, res, delta) from the initial ``bank``
     ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``. ``read_rank`` is
-    not read here: it is an input so that the backward has it."""
+    not read here: it is an input so that the backward has it. The kernels copy into bank_out
+    only the rows that no chunk writes; phase 2 reads the others from ``bank`` until their
+    first write (``kernels/bank_copy.py``)."""
     if use_kernels(v):
         from .kernels import bank_copy as kc
         from .kernels import recurrence_fwd as k
         out, bank_out, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
             v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
             read_rank, X, QX, bank, snapshot, chunks, seq_chunks)
+        first = write_idx.new_empty(bank_out.shape[:2].numel(), bank_out.shape[2],
+                                    dtype=torch.int32)
         with on_device(v):
-            kc.bank_copy(bank, bank_out)
+            # Phase 2 reads each row from the input bank until its stream first writes it, so
+            # only the rows that no chunk writes are copied (PERF_NOTES 32).
+            kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
+            kc.bank_copy_unwritten(bank, bank_out, first)
             k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                              rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot,
-                             chunks, seq_chunks)
+                             chunks, seq_chunks, bank, first)
         return out, bank_out, snap, snap_scale, res, delta
     return _recurrence_fwd_reference(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
                                      row_decay, rank, read_rank, X, QX, bank, snapshot, chunks,

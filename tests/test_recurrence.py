@@ -7,6 +7,7 @@ import torch
 import sdm_ops
 from sdm_ops import ops
 from sdm_ops import reference as ref
+from sdm_ops.kernels import bank_copy, recurrence_fwd
 from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
                            requires_cuda, requires_kernels, to_float64)
 
@@ -203,6 +204,39 @@ def test_kernels_mask_out_of_range_indices_as_padding():
     out_c, bank_c = run_ops(clean)
     assert torch.equal(out, out_c) and torch.equal(new_bank, bank_c)
     assert torch.equal(a["bank"], bank)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per_stream", "shared"])
+def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, phase2_tiles):
+    """Phase 2's kernel with a source bank (how the functional operator runs it): every row some
+    chunk writes starts as NaN in the updated bank, so a single read of it before its stream's
+    first write would carry NaN into out and the bank; the rows no chunk writes keep their
+    (other) values, bitwise; out and the written rows equal the float64 reference run from the
+    source."""
+    a = _inputs(T=37, S=20, seed=21, shared=shared)
+    S, C = a["bank"].shape[-2], 16
+    with on_kernels(), torch.no_grad():
+        prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
+                                 a["decay"], S, C)
+        X, QX = ops.wy_solve(prep[0].view(-1, C, C),
+                             sdm_ops.recurrence._chunk_betas(a["beta"], C),
+                             prep[1].view(-1, C, C))
+        first = torch.zeros(4, S, dtype=torch.int32, device=KERNEL_DEVICE)
+        bank_copy.first_writes(a["write_idx"], C, None, None, first)
+        written = (first != ref.UNWRITTEN).view(2, 2, S, 1)
+        assert written.any() and not written.all()
+        other = torch.randn(2, 2, S, 16, generator=torch.Generator().manual_seed(3))
+        bank = torch.where(written.cpu(), float("nan"), other).to(KERNEL_DEVICE)
+        out = torch.empty_like(a["v"])
+        recurrence_fwd.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"],
+                                      *prep[2:7], X.view(prep[0].shape), QX.view(prep[0].shape),
+                                      bank, out, None, None, None, None, None, source=a["bank"],
+                                      first=first)
+    out_r, bank_r = _oracle(a)
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(torch.where(written, bank, 0.0), torch.where(written.cpu(), bank_r, 0.0),
+                 rtol=1e-5, name="written rows")
+    assert torch.equal(torch.where(written, 0.0, bank).cpu(), torch.where(written.cpu(), 0.0, other))
 
 
 @requires_cuda

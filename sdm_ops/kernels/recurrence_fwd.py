@@ -34,6 +34,15 @@ fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, E, D / 2] uint8 (int4), w
 ``reference.quantize_rows``); the backward reads every bank row it needs from it. Indices
 outside [0, S) are masked: they read and write nothing. Bank offsets are 64-bit.
 
+With a source bank (the functional operator's: ``source`` [B, H, S, D] or shared [H, S, D]
+and ``first`` [B * H, S], ``bank_copy.first_writes``), the state starts from ``source`` and
+``bank`` holds only what phase 2 writes (and the rows no chunk writes, copied beforehand by
+``bank_copy.bank_copy_unwritten``): an entry of chunk n gathers its row from ``bank`` when
+``first`` of its slot is below n (an earlier chunk of the stream wrote it), else from
+``source``; a row's first write stores all its columns. So the copy moves only the rows no
+chunk writes. The one-tile path loads the next chunk's ``first`` entries after its dots, with
+the next chunk's indices long arrived.
+
 A packed batch (``cu_seqlens``; B = 1): a program owns sequence n = p // H of head h and walks
 its chunk slots seq_chunks[n] : seq_chunks[n + 1], each slot's tokens read from the table
 ``chunks`` (see ``chunk_prepare``); X, QX are [1, H, NC, C, C] and the bank [N, H, S, D].
@@ -112,22 +121,42 @@ def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
 
 
 @triton.jit
-def _gather(bank_p, s, ok, w, cols, D: tl.constexpr):
-    """Rows [TB, EP, BD] of slots ``s`` (float32, zero where not ``ok``) and their sums
-    weighted by ``w`` over the entries, [TB, BD]."""
-    rows = tl.load(bank_p + s[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None],
+def _gather(row_p, ok, w, cols):
+    """Rows [TB, EP, BD] starting at ``row_p`` [TB, EP] (float32, zero where not ``ok``) and
+    their sums weighted by ``w`` over the entries, [TB, BD]."""
+    rows = tl.load(row_p[:, :, None] + cols[None, None, :], mask=ok[:, :, None],
                    other=0.0).to(tl.float32)
     return rows, tl.sum(w[:, :, None] * rows, 1)
+
+
+@triton.jit
+def _first_chunks(first_p, s, ok, SOURCE: tl.constexpr):
+    """The first chunk of the stream that writes each slot of ``s`` (the ``first`` table), with
+    a source bank; 0 without one (unused)."""
+    if SOURCE:
+        return tl.load(first_p + s, mask=ok, other=0)
+    else:
+        return 0
+
+
+@triton.jit
+def _row_base(bank_p, src_p, fw, n, SOURCE: tl.constexpr):
+    """The bank an entry of chunk ``n`` reads its row from, given ``fw`` (``_first_chunks``):
+    the updated bank once an earlier chunk has written the row, else the source bank."""
+    if SOURCE:
+        return tl.where(fw < n, bank_p, src_p)
+    else:
+        return bank_p
 
 
 @triton.jit
 def _recurrence_fwd_kernel(
     v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
     X, QX, bank, out, res, delta, scratch, snap, snap_scale, chunks, seq_chunks,
-    T, H, S, NC,
+    source, first, T, H, S, NC, SRC_PERIOD,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
-    MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr,
+    MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr, SOURCE: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
     c0 = tl.program_id(0) % (D // BD) * BD
@@ -139,6 +168,8 @@ def _recurrence_fwd_kernel(
     rcols = tl.max_contiguous(cols, 4)
     h = p % H
     bank_p = bank + p.to(tl.int64) * S * D
+    src_p = source + (p % SRC_PERIOD).to(tl.int64) * S * D
+    first_p = first + p.to(tl.int64) * S
     scratch_p = scratch + p.to(tl.int64) * C * D
     if VARLEN:      # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
         lo = tl.load(seq_chunks + p // H).to(tl.int32)
@@ -165,6 +196,10 @@ def _recurrence_fwd_kernel(
         next_gw = tl.load(gather_w + fwent, mask=fwm, other=0.0)
         next_r = tl.load(read_idx + frent, mask=frm, other=-1)
         next_gr = tl.load(gather_r + frent, mask=frm, other=0.0)
+        fs, fok = bank_slots(next_w, fwm, S)
+        next_fw = _first_chunks(first_p, fs, fok, SOURCE)
+        fs, fok = bank_slots(next_r, frm, S)
+        next_fr = _first_chunks(first_p, fs, fok, SOURCE)
     for n in range(lo, hi):
         if VARLEN:
             tok0 = tl.load(chunks + 2 * n)
@@ -178,10 +213,12 @@ def _recurrence_fwd_kernel(
             tok, tok_ok = token_rows(tok0, h, H, count, ci)
             went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(next_w, wm, S)
-            rows, retrieved = _gather(bank_p, s, ok, tl.where(ok, next_gw, 0.0), rcols, D)
+            rows, retrieved = _gather(_row_base(bank_p, src_p, next_fw, n, SOURCE)
+                                      + s * D, ok, tl.where(ok, next_gw, 0.0), rcols)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(next_r, rm, S)
-            qrows, inter = _gather(bank_p, q, qok, tl.where(qok, next_gr, 0.0), rcols, D)
+            qrows, inter = _gather(_row_base(bank_p, src_p, next_fr, n, SOURCE)
+                                   + q * D, qok, tl.where(qok, next_gr, 0.0), rcols)
             if VARLEN:
                 ntok0 = tl.load(chunks + 2 * n + 2, mask=n + 1 < hi, other=0)
                 ncount = tl.load(chunks + 2 * n + 3, mask=n + 1 < hi, other=0).to(tl.int32)
@@ -213,11 +250,16 @@ def _recurrence_fwd_kernel(
                 tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
                          mask=tok_ok[:, None])
                 tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
+            # The next chunk's first writing chunks, now that its slots have arrived.
+            fs, fok = bank_slots(next_w, nwm, S)
+            next_fw = _first_chunks(first_p, fs, fok, SOURCE)
+            fs, fok = bank_slots(next_r, nrm, S)
+            next_fr = _first_chunks(first_p, fs, fok, SOURCE)
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
             term = sw[:, :, None] * dl[:, None, :]
             ptr = bank_p + s[:, :, None] * D + rcols[None, None, :]
-            first = ok & (rk == 0)
-            rd = tl.load(row_decay + went, mask=first, other=1.0)
+            lead = ok & (rk == 0)
+            rd = tl.load(row_decay + went, mask=lead, other=1.0)
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
             tl.debug_barrier()          # every gather of the chunk precedes its first write
             if not SNAPSHOT:
@@ -227,7 +269,7 @@ def _recurrence_fwd_kernel(
                 tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
                          mask=tok_ok[:, None])
             tl.store(ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty),
-                     mask=first[:, :, None])
+                     mask=lead[:, :, None])
             for k in range(1, npass):
                 tl.debug_barrier()
                 mine = ok & (rk == k)
@@ -247,12 +289,16 @@ def _recurrence_fwd_kernel(
                 s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
                 rk = tl.load(rank + went, mask=ok, other=0)
                 npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
-                rows, retrieved = _gather(bank_p, s, ok,
-                                          tl.load(gather_w + went, mask=ok, other=0.0), rcols, D)
+                fw = _first_chunks(first_p, s, ok, SOURCE)
+                rows, retrieved = _gather(_row_base(bank_p, src_p, fw, n, SOURCE)
+                                          + s * D, ok,
+                                          tl.load(gather_w + went, mask=ok, other=0.0), rcols)
                 rent, rm = entry_offsets(tok, tok_ok, R, RP)
                 q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-                qrows, inter = _gather(bank_p, q, qok,
-                                       tl.load(gather_r + rent, mask=qok, other=0.0), rcols, D)
+                fr = _first_chunks(first_p, q, qok, SOURCE)
+                qrows, inter = _gather(_row_base(bank_p, src_p, fr, n, SOURCE)
+                                       + q * D, qok,
+                                       tl.load(gather_r + rent, mask=qok, other=0.0), rcols)
                 if SNAPSHOT:
                     _store_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows,
                                     wm, c0, rcols, D, BD, MODE)
@@ -302,7 +348,11 @@ def _recurrence_fwd_kernel(
                     dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
                                  other=0.0)
                     ptr = bank_p + s[:, :, None] * D + rcols[None, None, :]
-                    rows = tl.load(ptr, mask=mine[:, :, None], other=0.0).to(tl.float32)
+                    # A row's first write (k = 0) reads it where the gathers did.
+                    fw = _first_chunks(first_p, s, mine & (k == 0), SOURCE)
+                    src = _row_base(bank_p, src_p, tl.where(k == 0, fw, -1), n, SOURCE)
+                    rows = tl.load(src[:, :, None] + s[:, :, None] * D + rcols[None, None, :],
+                                   mask=mine[:, :, None], other=0.0).to(tl.float32)
                     term = sw[:, :, None] * dl[:, None, :]
                     if k == 0:
                         rd = tl.load(row_decay + went, mask=mine, other=1.0)
@@ -323,11 +373,13 @@ def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
 
 def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                    rank, X, QX, bank, out, res, delta, snap, snap_scale, snapshot: str | None,
-                   chunks=None, seq_chunks=None) -> None:
+                   chunks=None, seq_chunks=None, source=None, first=None) -> None:
     """Launch phase 2 over every chunk; ``bank`` is updated in place. ``snapshot`` None skips
     the snapshot (in-place inference), and then ``res`` and ``delta`` may be None: they are
-    allocated here only if the chunks go in tiles (as scratch). See the module docstring for
-    the operands."""
+    allocated here only if the chunks go in tiles (as scratch). With a ``source`` bank
+    ([B, H, S, D] or shared) and its ``first`` table (``bank_copy.first_writes``), the state
+    starts from ``source``: ``bank`` is read only where an earlier chunk has written it. See
+    the module docstring for the other operands."""
     B, T, H, D = v.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
@@ -352,6 +404,8 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         X, QX, bank, out, res, delta, scratch,
         bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
         chunks if varlen else rank, seq_chunks if varlen else rank,
-        T, H, S, X.shape[2],
+        bank if source is None else source, rank if first is None else first,
+        T, H, S, X.shape[2], H if source is not None and source.dim() == 3 else streams,
         D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS), KB=min(C, _ROWS),
-        MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, num_warps=_NUM_WARPS)
+        MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, SOURCE=source is not None,
+        num_warps=_NUM_WARPS)
