@@ -192,6 +192,7 @@ print(json.dumps(result))
 # What each kernel writes (its outputs and scratch); every other tensor argument is read only.
 _OUTPUTS = {
     "_bank_copy_kernel": {"dst"},
+    "_first_writes_kernel": {"first"},
     "_chunk_prepare_kernel": {"A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay",
                               "rank", "read_rank"},
     "_chunk_prepare_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
