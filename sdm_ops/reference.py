@@ -750,11 +750,12 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
     return torch.stack([start, count], 1), seq_chunks
 
 
-UNWRITTEN = 2 ** 31 - 1     # ``first_writes_reference`` of a slot that no chunk of its stream writes
+UNWRITTEN = 2 ** 31 - 1     # ``first_writes_reference`` of a slot no chunk of its stream writes
 
 
 def first_writes_reference(write_idx: Tensor, bank_rows: int, chunk_size: int,
-                           chunks: Tensor | None = None, seq_chunks: Tensor | None = None) -> Tensor:
+                           chunks: Tensor | None = None,
+                           seq_chunks: Tensor | None = None) -> Tensor:
     """[P, S] int32: for stream p (b * H + h, or n * H + h of a packed batch) and slot s, the
     first chunk with a valid write entry on s (chunks numbered as phase 2 walks them: 0, 1, ...
     of a dense batch, a packed batch's chunk slots), UNWRITTEN where no chunk writes s."""

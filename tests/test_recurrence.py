@@ -236,7 +236,8 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
     assert_close(out, out_r, rtol=1e-5, name="out")
     assert_close(torch.where(written, bank, 0.0), torch.where(written.cpu(), bank_r, 0.0),
                  rtol=1e-5, name="written rows")
-    assert torch.equal(torch.where(written, 0.0, bank).cpu(), torch.where(written.cpu(), 0.0, other))
+    assert torch.equal(torch.where(written, 0.0, bank).cpu(),
+                       torch.where(written.cpu(), 0.0, other))
 
 
 @requires_cuda
