@@ -750,42 +750,6 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
     return torch.stack([start, count], 1), seq_chunks
 
 
-UNWRITTEN = 2 ** 31 - 1     # ``first_writes_reference`` of a slot no chunk of its stream writes
-
-
-def first_writes_reference(write_idx: Tensor, bank_rows: int, chunk_size: int,
-                           chunks: Tensor | None = None,
-                           seq_chunks: Tensor | None = None) -> Tensor:
-    """[P, S] int32: for stream p (b * H + h, or n * H + h of a packed batch) and slot s, the
-    first chunk with a valid write entry on s (chunks numbered as phase 2 walks them: 0, 1, ...
-    of a dense batch, a packed batch's chunk slots), UNWRITTEN where no chunk writes s."""
-    B, T, H, W = write_idx.shape
-    S, dev = bank_rows, write_idx.device
-    if chunks is None:
-        P = B * H
-        chunk = (torch.arange(T, device=dev) // chunk_size)[None, :, None]
-        stream = torch.arange(B, device=dev)[:, None, None] * H + torch.arange(H, device=dev)
-    else:
-        P = (seq_chunks.shape[0] - 1) * H
-        slot_of = torch.full((T,), -1, dtype=torch.int64, device=dev)
-        seq_of = torch.zeros(T, dtype=torch.int64, device=dev)
-        table = chunks.tolist()
-        for n, (_, _, c0, nc) in enumerate(varlen_sequences(chunks, seq_chunks)):
-            for c in range(c0, c0 + nc):
-                t0, count = table[c]
-                slot_of[t0:t0 + count] = c
-                seq_of[t0:t0 + count] = n
-        chunk = slot_of[None, :, None]
-        stream = seq_of[None, :, None] * H + torch.arange(H, device=dev)
-    idx = write_idx.to(torch.int64)
-    valid = (idx >= 0) & (idx < S) & (chunk >= 0)[..., None]
-    key = stream[..., None] * S + idx
-    chunk = chunk[..., None].expand_as(idx)
-    first = torch.full((P * S,), UNWRITTEN, dtype=torch.int64, device=dev)
-    first.scatter_reduce_(0, key[valid], chunk[valid], "amin")
-    return first.view(P, S).to(torch.int32)
-
-
 def varlen_sequences(chunks: Tensor, seq_chunks: Tensor) -> list[tuple[int, int, int, int]]:
     """(first token, length, first chunk slot, chunk count) of each sequence (reads the tables
     on the host: the CPU path and tests only)."""

@@ -81,7 +81,7 @@ def _first_by_loops(write_idx, S, C):
     """The ``first`` table of a dense batch by plain loops: an oracle sharing no code with the
     reference or the kernel."""
     Bn, T, Hn, W = write_idx.shape
-    first = [[ref.UNWRITTEN] * S for _ in range(Bn * Hn)]
+    first = [[kernel.UNWRITTEN] * S for _ in range(Bn * Hn)]
     for b, t, h, w in itertools.product(range(Bn), range(T), range(Hn), range(W)):
         s = int(write_idx[b, t, h, w])
         if 0 <= s < S:
@@ -98,12 +98,11 @@ def test_first_writes_holds_each_slots_first_writing_chunk(C):
     write_idx = torch.randint(-3, 45, (2, 70, 3, 5), generator=g)
     write_idx[torch.rand(write_idx.shape, generator=g) < 0.1] = 65
     want = _first_by_loops(write_idx, 60, C)
-    assert (want == ref.UNWRITTEN).any() and (want > 0).any() and (want < ref.UNWRITTEN).any()
+    assert (want == kernel.UNWRITTEN).any() and (want > 0).any() and (want < kernel.UNWRITTEN).any()
     got = torch.zeros(6, 60, dtype=torch.int32, device=KERNEL_DEVICE)
     with on_kernels():
         kernel.first_writes(write_idx.to(KERNEL_DEVICE), C, None, None, got)
     assert torch.equal(got.cpu(), want)
-    assert torch.equal(ref.first_writes_reference(write_idx, 60, C), want)
 
 
 @requires_kernels
@@ -116,17 +115,16 @@ def test_first_writes_of_a_packed_batch_numbers_chunk_slots_per_sequence():
     write_idx = torch.randint(-1, S, (1, T, Hn, 4), generator=g)
     cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
     chunks, seq_chunks = ops.varlen_chunks(cu, T, C)
-    want = torch.full((len(lengths) * Hn, S), ref.UNWRITTEN, dtype=torch.int32)
+    want = torch.full((len(lengths) * Hn, S), kernel.UNWRITTEN, dtype=torch.int32)
     for n, (t0, length, c0, _) in enumerate(ref.varlen_sequences(chunks, seq_chunks)):
         seq = _first_by_loops(write_idx[:, t0:t0 + length], S, C)
-        want[n * Hn:(n + 1) * Hn] = torch.where(seq == ref.UNWRITTEN, seq, seq + c0)
+        want[n * Hn:(n + 1) * Hn] = torch.where(seq == kernel.UNWRITTEN, seq, seq + c0)
     got = torch.zeros(len(lengths) * Hn, S, dtype=torch.int32, device=KERNEL_DEVICE)
     with on_kernels():
         dev = [t.to(KERNEL_DEVICE) for t in (write_idx, chunks, seq_chunks)]
         kernel.first_writes(dev[0], C, dev[1], dev[2], got)
-    assert (want[:Hn] == ref.UNWRITTEN).all()
+    assert (want[:Hn] == kernel.UNWRITTEN).all()
     assert torch.equal(got.cpu(), want)
-    assert torch.equal(ref.first_writes_reference(write_idx, S, C, chunks, seq_chunks), want)
 
 
 @requires_kernels
@@ -138,14 +136,14 @@ def test_unwritten_copy_copies_only_the_rows_no_chunk_writes(monkeypatch, shared
     src = _bank((H, S, D) if shared else (B, H, S, D), torch.float32, seed=5 + shared)
     g = torch.Generator().manual_seed(6)
     first = torch.randint(0, 4, (B * H, S), generator=g, dtype=torch.int32)
-    first[torch.rand(B * H, S, generator=g) < 0.5] = ref.UNWRITTEN
+    first[torch.rand(B * H, S, generator=g) < 0.5] = kernel.UNWRITTEN
     first = first.to(KERNEL_DEVICE)
     pad = 100
     buf = torch.full((2 * pad + B * H * S * D,), 7.0, device=KERNEL_DEVICE)
     dst = buf[pad:pad + B * H * S * D].view(B, H, S, D)
     with on_kernels():
         kernel.bank_copy_unwritten(src, dst, first, programs)
-    copied = (first == ref.UNWRITTEN).view(B, H, S, 1).cpu()
+    copied = (first == kernel.UNWRITTEN).view(B, H, S, 1).cpu()
     want = torch.where(copied, src.cpu().expand(B, H, S, D), 7.0)
     _assert_same_bits(dst, want, "partial copy")
     outside = torch.cat([buf[:pad], buf[-pad:]]).cpu()

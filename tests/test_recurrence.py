@@ -223,7 +223,7 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
                              prep[1].view(-1, C, C))
         first = torch.zeros(4, S, dtype=torch.int32, device=KERNEL_DEVICE)
         bank_copy.first_writes(a["write_idx"], C, None, None, first)
-        written = (first != ref.UNWRITTEN).view(2, 2, S, 1)
+        written = (first != bank_copy.UNWRITTEN).view(2, 2, S, 1)
         assert written.any() and not written.all()
         other = torch.randn(2, 2, S, 16, generator=torch.Generator().manual_seed(3))
         bank = torch.where(written.cpu(), float("nan"), other).to(KERNEL_DEVICE)

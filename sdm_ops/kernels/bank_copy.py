@@ -38,11 +38,11 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ..reference import UNWRITTEN
 from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 
 BLOCK = 4096
 BOUNDED_BLOCK = 32768   # elements a step of a bounded copy's program (64-128 KB in flight an SM)
+UNWRITTEN = 2 ** 31 - 1  # ``first`` of a slot that no chunk of its stream writes
 _NUM_WARPS = 8
 _FIRST_SPLIT = 16        # programs a stream of ``first_writes``, each every 16th chunk
 
@@ -63,7 +63,7 @@ def _bank_copy_kernel(src, dst, first, ROWS, SRC_BANK_STRIDE, D: tl.constexpr,
         if UNWRITTEN_ONLY:
             # The next step's rows' table entries load while this step's rows copy: a bounded
             # copy's program walks hundreds of steps, each else two round trips long.
-            keep = keep & (fr == 2147483647)
+            keep = keep & (fr == 2147483647)      # UNWRITTEN
             fr = tl.load(first + b * ROWS + r + step, mask=r + step < ROWS, other=0)
         offs = r[:, None] * D + cols[None, :]
         x = tl.load(src + b * SRC_BANK_STRIDE + offs, mask=keep[:, None])
