@@ -512,6 +512,22 @@ def _strided_grid(N: int, P: int) -> tuple[int, int]:
     return min(N * P, _STRIDED_PROGRAMS), 1
 
 
+@triton.jit
+def _tier_steps(shared_count, k0, N, P, LO: tl.constexpr, HI: tl.constexpr,
+                WALK: tl.constexpr):
+    """Which of steps k0 .. k0 + WALK - 1 of this program's walk (every G-th chunk from its
+    own, G the grid's width) are chunks of its tier (LO < count <= HI), as the bits of an
+    int32: WALK scalar loads of their counts side by side (a vector and its reduction across
+    warps made ptxas spill, PERF_NOTES 31). The bits steer the walk but make no address, so
+    the loads may sit in a helper (see _tiles.bank_slots)."""
+    bits = 0
+    for i in tl.static_range(WALK):
+        c = tl.program_id(0) + (k0 + i) * tl.num_programs(0)
+        m = tl.load(shared_count + c, mask=c < N * P, other=LO)
+        bits |= ((m > LO) & (m <= HI)).to(tl.int32) << i
+    return bits
+
+
 def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
     """(EM, NP, KB, MC) of the sparse path: entries per token side, entry positions per chunk
     (2 ** KB) and window size; None when the sparse path is off (COMPACT < 16) or a chunk has
@@ -917,12 +933,7 @@ def _chunk_pairs_kernel(
     else:          # the windowed tier, for the rare chunks of more than MC: see _STRIDED_PROGRAMS
         g = tl.num_programs(0)
         for k0 in range(0, tl.cdiv(N * P, g), WALK):
-            bits = 0   # which of the walk's next WALK chunks are the tier's, from their counts
-            # loaded side by side (a vector and its reduction across warps made ptxas spill)
-            for i in tl.static_range(WALK):
-                c = tl.program_id(0) + (k0 + i) * g
-                m = tl.load(shared_count + c, mask=c < N * P, other=LO)
-                bits |= ((m > LO) & (m <= HI)).to(tl.int32) << i
+            bits = _tier_steps(shared_count, k0, N, P, LO, HI, WALK)
             if bits != 0:
                 for j in range(WALK):
                     if ((bits >> j) & 1) != 0:
@@ -1034,12 +1045,7 @@ def _chunk_pairs_bwd_kernel(
     else:
         g = tl.num_programs(0)
         for k0 in range(0, tl.cdiv(N * P, g), WALK):
-            bits = 0   # which of the walk's next WALK chunks are the tier's, from their counts
-            # loaded side by side (a vector and its reduction across warps made ptxas spill)
-            for i in tl.static_range(WALK):
-                c = tl.program_id(0) + (k0 + i) * g
-                m = tl.load(shared_count + c, mask=c < N * P, other=LO)
-                bits |= ((m > LO) & (m <= HI)).to(tl.int32) << i
+            bits = _tier_steps(shared_count, k0, N, P, LO, HI, WALK)
             if bits != 0:
                 for j in range(WALK):
                     if ((bits >> j) & 1) != 0:
