@@ -11,7 +11,9 @@ checks that no access left its tensor. Parts (``--parts``, comma-separated):
 - ``eager``: ``sparse_delta_memory`` forward and backward with float32 and bfloat16 banks,
   every snapshot mode, decay on and off, shared and per-stream banks, int32 and int64
   indices, and packed variable-length batches (``cu_seqlens``, an empty sequence included);
-  ``sparse_delta_memory_`` over several chunks. The public functions reject out-of-range
+  ``sparse_delta_memory_`` over several chunks; ``sparse_delta_memory`` without autograd
+  (the inference forward: its bank copy on a second stream beside phase 1, then phase 2 in
+  place on the copy). The public functions reject out-of-range
   indices in eager mode (a ``ValueError``; checked once here), so the bad calls run inside
   :func:`unchecked`, which switches off the checks that read data, as compiled code and CUDA
   graph capture do; everything else is the public call.
@@ -182,6 +184,13 @@ def forward_backward(fn: Callable, a: dict, snapshot: str, g_out: Tensor,
         f"d{k}": g for k, g in zip(leaves, grads)}
 
 
+def inference(fn: Callable, a: dict) -> dict[str, Tensor]:
+    """out and bank of ``fn`` (``sdm``) under ``torch.no_grad()``: the inference forward."""
+    with torch.no_grad():
+        out, bank = fn(**a)
+    return {"out": out, "bank": bank}
+
+
 def inplace(fn: Callable, a: dict) -> dict[str, Tensor]:
     bank = a["bank"].clone()
     out = fn(bank, *(a[k] for k in SEQUENCE), cu_seqlens=a["cu_seqlens"])
@@ -237,6 +246,7 @@ COMPILED_CONFIGS = (            # each snapshot, both bank dtypes, decay and sha
 )
 VARLEN_CONFIGS = ((F32, "none", True, False, I64), (BF16, "int4", False, True, I32))
 INPLACE_CONFIGS = ((F32, True, I64), (BF16, False, I32))
+INFERENCE_CONFIGS = ((F32, None, True, False, I64), (BF16, None, False, True, I32))
 
 
 def functional_case(fn: Callable, config: tuple, seed: int, device: torch.device,
@@ -277,6 +287,25 @@ def inplace_case(fn: Callable, config: tuple, seed: int, device: torch.device,
             with unchecked() if eager else contextlib.nullcontext():
                 got = inplace(fn, bad)
             want = inplace(fn, padded)
+        names = assert_same(got, want, "the padded call")
+        return f"{count} out-of-range indices; {names} equal the padded call"
+    return run
+
+
+def inference_case(config: tuple, seed: int, device: torch.device,
+                   varlen: bool = False) -> Callable[[], str]:
+    """The eager ``sdm`` without autograd on bad indices and on the padded ones."""
+    dtype, _, decay, shared, index_dtype = config
+
+    def run() -> str:
+        a = make_inputs(dtype=dtype, decay=decay, shared=shared, index_dtype=index_dtype,
+                        seed=seed, varlen=varlen)
+        bad, padded, count = with_out_of_range(a, seed)
+        bad, padded = to_device(bad, device), to_device(padded, device)
+        with kernels(device):
+            with unchecked():
+                got = inference(sdm, bad)
+            want = inference(sdm, padded)
         names = assert_same(got, want, "the padded call")
         return f"{count} out-of-range indices; {names} equal the padded call"
     return run
@@ -461,6 +490,10 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
         for config in INPLACE_CONFIGS:
             in_place("eager", sdm_inplace, config)
         in_place("eager", sdm_inplace, INPLACE_CONFIGS[1], varlen=True)
+        for config, varlen in ((INFERENCE_CONFIGS[0], False), (INFERENCE_CONFIGS[1], False),
+                               (INFERENCE_CONFIGS[1], True)):
+            cases.run("eager", "inference forward, " + describe(*config, varlen=varlen),
+                      inference_case(config, next(seeds), device, varlen))
     if "compiled" in parts:
         compiled = torch.compile(sdm, fullgraph=True)
         compiled_inplace = torch.compile(sdm_inplace, fullgraph=True)
