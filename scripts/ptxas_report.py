@@ -75,7 +75,7 @@ def _divisible(kernel, args, kwargs) -> list:
     fn = kernel.fn if hasattr(kernel, "fn") else kernel
     names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
     bound = dict(zip(names, args))
-    bound.update(kwargs)
+    bound.update({k: v for k, v in kwargs.items() if k in names})    # not num_warps
     return [n for n, v in bound.items()
             if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0)
             or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)]
