@@ -16,7 +16,7 @@ loads (a dependence through the data, as the bank's writes make one in phase 2).
   for the previous chunk's writes: the overlap PERF_NOTES 11 and 33 propose).
 
 It prints the time (median of 10) and the bytes moved per second for each, at 8 warps and at
-4. Usage on a GPU machine: ``python scripts/gather_pieces.py``.
+4. Usage on a GPU machine: ``PYTHONPATH=. python scripts/gather_pieces.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from sdm_ops.bench import _time_ms
 
 STREAMS, CHUNKS, ENTRIES, S, D = 64, 64, 512, 65536, 64
 
@@ -68,20 +70,6 @@ def _walk_kernel(bank, idx, out, S, CHUNKS, ENTRIES: tl.constexpr, D: tl.constex
     tl.store(out + tl.program_id(0) * BD + tl.arange(0, BD), acc)
 
 
-def _time_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     bank = torch.randn(STREAMS, S, D, device="cuda", generator=g)
@@ -98,7 +86,7 @@ def main() -> None:
                     _walk_kernel[(STREAMS * 4,)](bank, idx, out, S, CHUNKS, ENTRIES=ENTRIES,
                                                 D=D, NE=ne, BD=bd, RMW=rmw, AHEAD=ahead,
                                                 num_warps=warps)
-                ms = _time_ms(fn)
+                ms = _time_ms(fn, reps=10)
                 moved = STREAMS * CHUNKS * ENTRIES * D * 4 * (1.5 if rmw else 1.0)
                 label = name + ("+rmw" if rmw else "") + ("+ahead" if ahead else "")
                 print(f"{label:<18}{warps:>6}{ms:>9.3f}{moved / ms / 1e9:>8.2f}", flush=True)
