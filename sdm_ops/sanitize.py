@@ -249,6 +249,20 @@ INPLACE_CONFIGS = ((F32, True, I64), (BF16, False, I32))
 INFERENCE_CONFIGS = ((F32, None, True, False, I64), (BF16, None, False, True, I32))
 
 
+def padded_comparison(a: dict, seed: int, device: torch.device, eager: bool,
+                      call: Callable[[dict], dict[str, Tensor]]) -> str:
+    """``call`` on ``a`` with out-of-range indices mixed in (unchecked when ``eager``) and on the
+    same indices padded with -1 instead; every result must be bitwise equal."""
+    bad, padded, count = with_out_of_range(a, seed)
+    bad, padded = to_device(bad, device), to_device(padded, device)
+    with kernels(device, eager):
+        with unchecked() if eager else contextlib.nullcontext():
+            got = call(bad)
+        want = call(padded)
+    names = assert_same(got, want, "the padded call")
+    return f"{count} out-of-range indices; {names} equal the padded call"
+
+
 def functional_case(fn: Callable, config: tuple, seed: int, device: torch.device,
                     eager: bool, varlen: bool = False) -> Callable[[], str]:
     """``fn`` (``sdm`` when ``eager``, else a compiled ``sdm``) forward and backward on bad
@@ -259,17 +273,11 @@ def functional_case(fn: Callable, config: tuple, seed: int, device: torch.device
         a = make_inputs(dtype=dtype, decay=decay, shared=shared, index_dtype=index_dtype,
                         seed=seed, varlen=varlen)
         banks = len(CU_SEQLENS) - 1 if varlen else B
-        bad, padded, count = with_out_of_range(a, seed)
-        bad, padded = to_device(bad, device), to_device(padded, device)
         g = torch.Generator().manual_seed(20_000 + seed)
         g_out = torch.randn(B, T, H, D, generator=g).to(device)
         g_bank = torch.randn(banks, H, S, D, generator=g).to(device)
-        with kernels(device, eager):
-            with unchecked() if eager else contextlib.nullcontext():
-                got = forward_backward(fn, bad, snapshot, g_out, g_bank)
-            want = forward_backward(fn, padded, snapshot, g_out, g_bank)
-        names = assert_same(got, want, "the padded call")
-        return f"{count} out-of-range indices; {names} equal the padded call"
+        return padded_comparison(a, seed, device, eager,
+                                 lambda x: forward_backward(fn, x, snapshot, g_out, g_bank))
     return run
 
 
@@ -281,14 +289,8 @@ def inplace_case(fn: Callable, config: tuple, seed: int, device: torch.device,
     def run() -> str:
         a = make_inputs(dtype=dtype, decay=decay, shared=False, index_dtype=index_dtype,
                         seed=seed, varlen=varlen)
-        bad, padded, count = with_out_of_range(a, seed)
-        bad, padded = to_device(bad, device), to_device(padded, device)
-        with kernels(device, eager), torch.no_grad():
-            with unchecked() if eager else contextlib.nullcontext():
-                got = inplace(fn, bad)
-            want = inplace(fn, padded)
-        names = assert_same(got, want, "the padded call")
-        return f"{count} out-of-range indices; {names} equal the padded call"
+        with torch.no_grad():
+            return padded_comparison(a, seed, device, eager, lambda x: inplace(fn, x))
     return run
 
 
@@ -300,14 +302,7 @@ def inference_case(config: tuple, seed: int, device: torch.device,
     def run() -> str:
         a = make_inputs(dtype=dtype, decay=decay, shared=shared, index_dtype=index_dtype,
                         seed=seed, varlen=varlen)
-        bad, padded, count = with_out_of_range(a, seed)
-        bad, padded = to_device(bad, device), to_device(padded, device)
-        with kernels(device):
-            with unchecked():
-                got = inference(sdm, bad)
-            want = inference(sdm, padded)
-        names = assert_same(got, want, "the padded call")
-        return f"{count} out-of-range indices; {names} equal the padded call"
+        return padded_comparison(a, seed, device, True, lambda x: inference(sdm, x))
     return run
 
 
