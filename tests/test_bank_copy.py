@@ -128,11 +128,9 @@ def test_first_writes_of_a_packed_batch_numbers_chunk_slots_per_sequence():
 
 
 @requires_kernels
-@pytest.mark.parametrize("programs", [0, 3])
 @pytest.mark.parametrize("shared", [False, True], ids=["per_stream", "shared"])
-def test_unwritten_copy_copies_only_the_rows_no_chunk_writes(monkeypatch, shared, programs):
+def test_unwritten_copy_copies_only_the_rows_no_chunk_writes(monkeypatch, shared):
     monkeypatch.setattr(kernel, "BLOCK", 64)
-    monkeypatch.setattr(kernel, "BOUNDED_BLOCK", 64)
     src = _bank((H, S, D) if shared else (B, H, S, D), torch.float32, seed=5 + shared)
     g = torch.Generator().manual_seed(6)
     first = torch.randint(0, 4, (B * H, S), generator=g, dtype=torch.int32)
@@ -142,7 +140,7 @@ def test_unwritten_copy_copies_only_the_rows_no_chunk_writes(monkeypatch, shared
     buf = torch.full((2 * pad + B * H * S * D,), 7.0, device=KERNEL_DEVICE)
     dst = buf[pad:pad + B * H * S * D].view(B, H, S, D)
     with on_kernels():
-        kernel.bank_copy_unwritten(src, dst, first, programs)
+        kernel.bank_copy_unwritten(src, dst, first)
     copied = (first == kernel.UNWRITTEN).view(B, H, S, 1).cpu()
     want = torch.where(copied, src.cpu().expand(B, H, S, D), 7.0)
     _assert_same_bits(dst, want, "partial copy")

@@ -43,6 +43,7 @@ from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 BLOCK = 4096
 BOUNDED_BLOCK = 32768   # elements a step of a bounded copy's program (64-128 KB in flight an SM)
 UNWRITTEN = 2 ** 31 - 1  # ``first`` of a slot that no chunk of its stream writes
+_UNWRITTEN = tl.constexpr(UNWRITTEN)     # the same, for the kernels
 _NUM_WARPS = 8
 _FIRST_SPLIT = 16        # programs a stream of ``first_writes``, each every 16th chunk
 
@@ -54,17 +55,10 @@ def _bank_copy_kernel(src, dst, first, ROWS, SRC_BANK_STRIDE, D: tl.constexpr,
     step = tl.num_programs(0).to(tl.int64) * BR
     cols = tl.arange(0, D)
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    if UNWRITTEN_ONLY:
-        fr = tl.load(first + b * ROWS + r, mask=r < ROWS, other=0)
-    else:
-        fr = 0
     for k in range(0, tl.cdiv(tl.cdiv(ROWS, BR) - tl.program_id(0), tl.num_programs(0))):
         keep = r < ROWS
-        if UNWRITTEN_ONLY:
-            # The next step's rows' table entries load while this step's rows copy: a bounded
-            # copy's program walks hundreds of steps, each else two round trips long.
-            keep = keep & (fr == 2147483647)      # UNWRITTEN
-            fr = tl.load(first + b * ROWS + r + step, mask=r + step < ROWS, other=0)
+        if UNWRITTEN_ONLY:      # launched one block a program (``bank_copy_unwritten``)
+            keep = keep & (tl.load(first + b * ROWS + r, mask=keep, other=0) == _UNWRITTEN)
         offs = r[:, None] * D + cols[None, :]
         x = tl.load(src + b * SRC_BANK_STRIDE + offs, mask=keep[:, None])
         tl.store(dst + b * ROWS * D + offs, x.to(dst.dtype.element_ty), mask=keep[:, None])
@@ -117,11 +111,10 @@ def bank_copy(src: torch.Tensor, dst: torch.Tensor, programs: int = 0) -> None:
     _launch_copy(src, dst, None, programs)
 
 
-def bank_copy_unwritten(src: torch.Tensor, dst: torch.Tensor, first: torch.Tensor,
-                        programs: int = 0) -> None:
-    """Like ``bank_copy``, for the rows whose ``first`` [B * H, S] is UNWRITTEN only; the other
-    rows of dst are left as they are."""
-    _launch_copy(src, dst, first, programs)
+def bank_copy_unwritten(src: torch.Tensor, dst: torch.Tensor, first: torch.Tensor) -> None:
+    """Like ``bank_copy`` (one block a program), for the rows whose ``first`` [B * H, S] is
+    UNWRITTEN only; the other rows of dst are left as they are."""
+    _launch_copy(src, dst, first, 0)
 
 
 def first_writes(write_idx: torch.Tensor, chunk_size: int, chunks, seq_chunks,
