@@ -5,8 +5,9 @@ or stays when every stream's rows fit in L2.
 For each S, phase 1 and the WY solve run once; then ``sdm::recurrence_fwd_`` (phase 2 in place,
 no snapshot) and the backward's launcher (``kernels.recurrence_bwd``: phase 2's backward from a
 float32 snapshot, then the dual-matmul kernel and the partials' sums, about 0.2 ms; no bank
-copy) are timed alone, median of 20 CUDA-event timings. The bank rows they move (each entry's row gathered, each written row
-written; the backward's snapshot rows and dM rows the same way) are printed over the time.
+copy) are timed alone, median of 20 CUDA-event timings (the backward adds into the same dM
+every call). The bank rows they move (each entry's row gathered, each written row written; the
+backward's snapshot rows and dM rows the same way) are printed over the time.
 At S = 4096 a stream's float32 bank is 1 MiB, and at most 33 streams run at once (132 programs
 of 4 column blocks, one an SM): 33 MiB of bank, within the H200's 50 MiB L2; at S = 65536 it is
 16 MiB a stream. A small S also puts more of a chunk's entries on one slot (more passes).
