@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from sdm_ops import bench, ops, recurrence
+from profile_phase2 import phase2_inputs
+
+from sdm_ops import bench, ops
 from sdm_ops.kernels import recurrence_bwd as kb
 
 
@@ -30,18 +32,11 @@ def main() -> None:
           "decay (ms, median of 20; GB/s of bank rows over the graph's time)")
     for S in (4096, 16384, 65536, 1 << 18):
         a = bench.make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
-        prep, X, QX, _ = recurrence._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
-                                             a["read_idx"], a["read_w"], a["decay"], S, C, None)
-        _, _, gw, gr, sw, rd, rank, read_rank = prep
+        fwd_in, dout, dbank = phase2_inputs(a, C, "none")
+        _, _, _, _, gw, gr, sw, rd, rank, read_rank, X, QX = fwd_in[:12]
         work = a["bank"].clone()
-        fwd_ = lambda: ops.recurrence_fwd_(work, a["v"], a["beta"], a["write_idx"], a["read_idx"],
-                                           gw, gr, sw, rd, rank, X, QX)
-        out, _, snap, scale, res, delta = ops.recurrence_fwd(
-            a["v"], a["beta"], a["write_idx"], a["read_idx"], gw, gr, sw, rd, rank, read_rank,
-            X, QX, a["bank"], "none")
-        g = torch.Generator(device="cuda").manual_seed(3)
-        dout = torch.randn(a["v"].shape, device="cuda", generator=g)
-        dbank = torch.randn(a["bank"].shape, device="cuda", generator=g)
+        fwd_ = lambda: ops.recurrence_fwd_(work, *fwd_in[:9], *fwd_in[10:12])
+        out, _, snap, scale, res, delta = ops.recurrence_fwd(*fwd_in)
         dv, dX, dQX = torch.empty_like(a["v"]), torch.empty_like(X), torch.empty_like(QX)
         dbeta = torch.empty_like(a["beta"], dtype=torch.float32)
         bwd = lambda: kb.recurrence_bwd(a["beta"], a["write_idx"], a["read_idx"], gw, gr, sw, rd,
