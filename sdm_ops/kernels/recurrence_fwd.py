@@ -60,11 +60,14 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
+from .chunk_prepare import chunk_grid
 
 BLOCK_D = 16          # columns per program; also the snapshot quantization group
 _ROWS = 32            # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
 _TILE = 8192          # entries x columns gathered at once
+_OUT_TILE = 4096      # QX's columns x out's columns a step of _out_kernel
+_OUT_WARPS = 4        # a chunk of 64 tokens; twice as many at 128
 SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
 SNAP_CODES = {"none": SNAP_NONE, "bf16": SNAP_BF16, "fp8": SNAP_FP8, "int4": SNAP_INT4}
 
@@ -153,7 +156,7 @@ def _row_base(bank_p, src_p, fw, n, SOURCE: tl.constexpr):
 def _recurrence_fwd_kernel(
     v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
     X, QX, bank, out, res, delta, scratch, snap, snap_scale, chunks, seq_chunks,
-    source, first, T, H, S, NC, SRC_PERIOD,
+    source, first, inter_buf, T, H, S, NC, SRC_PERIOD,
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
     MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr, SOURCE: tl.constexpr,
@@ -245,8 +248,8 @@ def _recurrence_fwd_kernel(
             uu = bb[:, None] * (vv - retrieved)
             xo = x_base + ci[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
-            o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
             if SNAPSHOT:
+                o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
                 tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
                          mask=tok_ok[:, None])
                 tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
@@ -263,10 +266,14 @@ def _recurrence_fwd_kernel(
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
             tl.debug_barrier()          # every gather of the chunk precedes its first write
             if not SNAPSHOT:
-                # Stored after the barrier rather than with the dots: on the H200 (Triton 3.6)
-                # the in-place kernel took 0.99-1.08 ms this way and 1.31-1.35 ms the other
-                # (separate runs), at 255 registers either way (PERF_NOTES 12).
-                tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
+                # Without a snapshot, out = inter + QX u is left to _out_kernel, which forms it
+                # after the walk from the res and inter stored here: the walk does one dot a
+                # chunk, not two, and fits two programs an SM (PERF_NOTES 40). Stored after the
+                # barrier rather than with the dots (as out was: on the H200, Triton 3.6, 0.99-1.08
+                # ms this way and 1.31-1.35 ms the other; PERF_NOTES 12).
+                tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
+                         mask=tok_ok[:, None])
+                tl.store(inter_buf + tok[:, None] * D + cols[None, :], inter,
                          mask=tok_ok[:, None])
             tl.store(ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty),
                      mask=lead[:, :, None])
@@ -363,6 +370,37 @@ def _recurrence_fwd_kernel(
                 tl.debug_barrier()
 
 
+@triton.jit
+def _out_kernel(QX, beta, res, inter, out, chunks, T, H, D: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr, VARLEN: tl.constexpr):
+    """out = inter + QX u (u = beta res) for one chunk (or chunk slot) and stream over all D
+    columns, BK at a time, after the one-tile walk without a snapshot stored res and inter. The
+    product in tf32x3 (three tensor-core products, about float32's accuracy: SPEC section 5 asks
+    full float32 dots of the WY solve, not of this one), 1.9e-7 of the largest value from a
+    float64 one at the reference shape against full float32's 6.1e-7, and 121 us there against
+    179-248 (PERF_NOTES 40)."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
+    ci = tl.arange(0, C)
+    tok, ok = token_rows(tok0, h, H, count, ci)
+    bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
+    qx = tl.load(QX + (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
+                 + ci[:, None] * C + ci[None, :])
+    for k0 in range(0, D, BK):
+        kc = k0 + tl.arange(0, BK)
+        off = tok[:, None] * D + kc[None, :]
+        u = bb[:, None] * tl.load(res + off, mask=ok[:, None], other=0.0)
+        o = tl.load(inter + off, mask=ok[:, None], other=0.0)
+        o = tl.dot(qx, u, o, input_precision="tf32x3")
+        tl.store(out + off, o.to(out.dtype.element_ty), mask=ok[:, None])
+
+
 def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     """(WP, RP, TB): padded entry counts and tokens per gather tile."""
     wp = triton.next_power_of_2(max(W, 1))
@@ -389,12 +427,15 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         return
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     # The one-tile path keeps a chunk in registers and touches neither the scratch nor, without
-    # a snapshot, res and delta: one-element stand-ins then.
+    # a snapshot, delta (one-element stand-ins then); without a snapshot it stores res and inter
+    # for _out_kernel.
     tiled = tb < C
+    out_after = not tiled and snapshot is None
     f32 = dict(dtype=torch.float32, device=v.device)
     scratch = torch.empty((streams, C, D) if tiled else (1,), **f32)
     if res is None:
-        res = torch.empty(v.shape if tiled else (1,), **f32)
+        res = torch.empty(v.shape if tiled or out_after else (1,), **f32)
+    inter = torch.empty(v.shape if out_after else (1,), **f32)
     if delta is None:
         delta = torch.empty(v.shape if tiled else (1,), **f32)
     mode = SNAP_CODES["none" if snapshot is None else snapshot]
@@ -404,8 +445,13 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         X, QX, bank, out, res, delta, scratch,
         bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
         chunks if varlen else rank, seq_chunks if varlen else rank,
-        bank if source is None else source, rank if first is None else first,
+        bank if source is None else source, rank if first is None else first, inter,
         T, H, S, X.shape[2], H if source is not None and source.dim() == 3 else streams,
         D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS), KB=min(C, _ROWS),
         MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, SOURCE=source is not None,
         num_warps=_NUM_WARPS)
+    if out_after:
+        N, P = chunk_grid(B, T, H, C, chunks)
+        wrap_triton(_out_kernel)[(N, P)](
+            QX, beta, res, inter, out, chunks if varlen else rank, T, H, D=D, C=C,
+            BK=min(D, _OUT_TILE // C), VARLEN=varlen, num_warps=_OUT_WARPS * max(1, C // 64))
