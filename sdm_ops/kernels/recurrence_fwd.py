@@ -12,7 +12,11 @@ walks every chunk of the stream in order: the number of launches does not grow w
 When a chunk's entries fit one tile (TB = C: C * max(W, R) * 16 <= ``_TILE`` after rounding W
 and R up to powers of two; W = R = 8 at C = 64), a chunk is one pass through registers: gather
 the write and read rows (and store them as the snapshot), u = beta (v - retrieved), delta = X u
-and out = inter + QX u by full-float32 dots, then, after a barrier, write. Otherwise the chunk
+and out = inter + QX u by full-float32 dots, then, after a barrier, write. Without a snapshot
+(the in-place and inference forwards) the walk forms only delta and stores res = v - retrieved
+and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta res) afterwards, one
+program a chunk and stream, in tf32x3: the walk then fits two programs an SM (PERF_NOTES 40).
+Otherwise the chunk
 goes in three steps over tiles of TB tokens, with barriers between them: (1) gathers, storing
 res = v - retrieved and inter (to a per-program scratch); (2) the dots, storing delta; (3) the
 writes. Writes go in passes over the entries' rank within their slot: the first entry on each
@@ -26,7 +30,8 @@ and gather weights, which do not depend on the bank, while its own gathers are i
 Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
 X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; res, delta [B, T, H, D]
-float32 (written only with a snapshot, or as scratch by the three-step path); scratch
+float32 (written only with a snapshot, or as scratch by the three-step path; res, and inter_buf
+[B, T, H, D] float32, by the one-tile path without a snapshot for ``_out_kernel``); scratch
 [B * H, C, D] float32. The snapshot holds the chunk-start row of every entry, write entries then
 read entries (E = W + R per token): rows [B, T, H, E, D] (none: bank dtype, bf16: bfloat16,
 fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, E, D / 2] uint8 (int4), with scales
