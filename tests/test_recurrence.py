@@ -128,6 +128,22 @@ def test_in_place_update_equals_functional_result():
     assert_close(state, bank, rtol=1e-6, name="bank")
 
 
+@pytest.mark.parametrize("chunk_size,D,W", [(64, 128, 3), (32, 256, 3), (128, 64, 2)])
+def test_in_place_forward_forms_out_in_column_steps_for_wide_rows_and_long_chunks(chunk_size, D,
+                                                                                  W):
+    """The forwards without a snapshot form out after phase 2's walk, one chunk's columns in
+    several steps when D or the chunk is large (``recurrence_fwd``'s out kernel); these shapes
+    take those steps on the one-tile path (few entries a token), with a partial last chunk."""
+    a = _inputs(B=1, T=chunk_size + 7, H=2, D=D, W=W, R=2, seed=D + chunk_size)
+    out_r, bank_r = _oracle(a)
+    state = a["bank"].clone()
+    with on_kernels():
+        out = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"},
+                                           chunk_size=chunk_size)
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(state, bank_r, rtol=1e-5, name="bank")
+
+
 def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
     a = _inputs(B=1, T=6, seed=15)
     out, bank = _run(a)

@@ -71,7 +71,7 @@ BLOCK_D = 16          # columns per program; also the snapshot quantization grou
 _ROWS = 32            # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
 _TILE = 8192          # entries x columns gathered at once
-_OUT_TILE = 4096      # QX's columns x out's columns a step of _out_kernel
+_OUT_TILE = 4096      # chunk tokens x out's columns a step of _out_kernel, at most
 _OUT_WARPS = 4        # a chunk of 64 tokens; twice as many at 128
 SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
 SNAP_CODES = {"none": SNAP_NONE, "bf16": SNAP_BF16, "fp8": SNAP_FP8, "int4": SNAP_INT4}
@@ -457,6 +457,12 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         num_warps=_NUM_WARPS)
     if out_after:
         N, P = chunk_grid(B, T, H, C, chunks)
+        # All of out's columns in one step up to 64 of them (the reference shape's, as timed),
+        # else steps of half the tile, unpipelined. Compiled for sm_90a by Triton 3.7 without
+        # the launcher's divisibility hints, no chunk size and D then spills but the reference
+        # shape (120 bytes; as launched 171 registers and none, on the H200's Triton 3.6 too),
+        # where the default software pipelining of the steps spilled up to 752 bytes.
+        bk = D if D <= 64 and C * D <= _OUT_TILE else min(D, _OUT_TILE // 2 // C)
         wrap_triton(_out_kernel)[(N, P)](
-            QX, beta, res, inter, out, chunks if varlen else rank, T, H, D=D, C=C,
-            BK=min(D, _OUT_TILE // C), VARLEN=varlen, num_warps=_OUT_WARPS * max(1, C // 64))
+            QX, beta, res, inter, out, chunks if varlen else rank, T, H, D=D, C=C, BK=bk,
+            VARLEN=varlen, num_warps=_OUT_WARPS * max(1, C // 64), num_stages=1)
