@@ -14,6 +14,8 @@ working tree).
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
 from _ab import run_variant
 
@@ -24,8 +26,8 @@ from sdm_ops import bench
 assert sdm_ops.__file__.startswith(os.getcwd() + os.sep), sdm_ops.__file__
 for dtype in (torch.float32, torch.bfloat16):
     a = bench.make_workload(2, 512, 8, 64, 65536, 8, 8, decay=True, bank_dtype=dtype)
-    for fn in (bench.forward_fn(a, 64), bench.in_place_fn(a, 64), bench.forward_backward_fn(a, 64)):
-        fn()
+    for make in (bench.forward_fn, bench.in_place_fn, bench.forward_backward_fn):
+        make(a, 64)()
 torch.cuda.synchronize()
 rows = []
 for info in pkgutil.iter_modules(sdm_ops.kernels.__path__):
@@ -42,7 +44,7 @@ for info in pkgutil.iter_modules(sdm_ops.kernels.__path__):
                     arg = fn.arg_names[i] if isinstance(i, int) else i
                     if arg in ("MODE", "SNAPSHOT", "SOURCE", "HAS_DOUT"):
                         consts[arg] = val
-                consts["bank"] = str(k.src.signature.get("bank", "")) if hasattr(k.src, "signature") else ""
+                consts["bank"] = str(getattr(k.src, "signature", {}).get("bank", ""))
                 rows.append((name, k.n_regs, k.n_spills, k.metadata.shared,
                              k.metadata.num_warps, str(consts)))
 torch.save(rows, sys.argv[1])
@@ -53,14 +55,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="+", help="directories holding an sdm_ops copy")
     args = p.parse_args()
-    import os
-    import tempfile
-    print(f"{'variant':<12}{'kernel':<28}{'regs':>5}{'spill':>6}{'smem':>7}{'warps':>6}  constexprs")
+    print(f"{'variant':<12}{'kernel':<28}{'regs':>5}{'spill':>6}{'smem':>7}{'warps':>6}"
+          "  constexprs")
     with tempfile.TemporaryDirectory() as tmp:
         for v in args.variants:
             path = os.path.join(tmp, "rows.pt")
-            for name, regs, spills, smem, warps, consts in sorted(run_variant(v, _WORKER,
-                                                                              [path], path)):
+            rows = run_variant(v, _WORKER, [path], path)
+            for name, regs, spills, smem, warps, consts in sorted(rows):
                 print(f"{v:<12}{name:<28}{regs:>5}{spills:>6}{smem:>7}{warps:>6}  {consts}",
                       flush=True)
 

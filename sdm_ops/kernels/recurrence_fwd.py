@@ -16,16 +16,16 @@ and out = inter + QX u by full-float32 dots, then, after a barrier, write. Witho
 (the in-place and inference forwards) the walk forms only delta and stores res = v - retrieved
 and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta res) afterwards, one
 program a chunk and stream, in tf32x3: the walk then fits two programs an SM (PERF_NOTES 40).
-Otherwise the chunk
-goes in three steps over tiles of TB tokens, with barriers between them: (1) gathers, storing
-res = v - retrieved and inter (to a per-program scratch); (2) the dots, storing delta; (3) the
-writes. Writes go in passes over the entries' rank within their slot: the first entry on each
-slot (rank 0) stores row_decay * M0 + its term, then entries of rank 1, 2, ... add their terms
-in passes separated by barriers (atomic adds into a float32 bank: no load round trip; a load
-and a store into a bfloat16 one, rounding as it goes), so every bank row has one writer at a
-time and the sum runs in entry order: bitwise deterministic (for a given tile geometry and
-warp count, pinned here). On the one-tile path each chunk also loads the next chunk's indices
-and gather weights, which do not depend on the bank, while its own gathers are in flight.
+Otherwise the chunk goes in three steps over tiles of TB tokens, with barriers between them:
+(1) gathers, storing res = v - retrieved and inter (to a per-program scratch); (2) the dots,
+storing delta; (3) the writes. Writes go in passes over the entries' rank within their slot:
+the first entry on each slot (rank 0) stores row_decay * M0 + its term, then entries of rank 1,
+2, ... add their terms in passes separated by barriers (atomic adds into a float32 bank: no
+load round trip; a load and a store into a bfloat16 one, rounding as it goes), so every bank
+row has one writer at a time and the sum runs in entry order: bitwise deterministic (for a
+given tile geometry and warp count, pinned here). On the one-tile path each chunk also loads
+the next chunk's indices and gather weights, which do not depend on the bank, while its own
+gathers are in flight.
 
 Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
