@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
 import sdm_ops
-from compile_tests import assert_kernels_in_code, launched_kernels
+from compile_tests import assert_kernels_in_code, kernels_defined_in, launched_kernels
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from tests.helpers import assert_close, requires_cuda
 from tests.helpers import make_raw, make_wy_inputs
@@ -91,6 +91,17 @@ def test_inductor_code_holds_the_operators_triton_kernels():
     compiled = torch.compile(wy_and_topk, fullgraph=True)
     _, codes = run_and_get_code(run_with_grads, compiled, leaves, weights)
     assert_kernels_in_code(kernels, codes, "wy_solve and product_key_topk, forward and backward")
+
+
+def test_kernel_lookup_counts_definitions_not_mentions():
+    """What the CUDA tests take for a kernel in Inductor's code: its spliced definition, under
+    its own name or TORCHINDUCTOR_UNIQUE_USER_KERNEL_NAMES's; a comment naming it is not one."""
+    code = ("@triton.jit\ndef _walk_kernel(x):\n    # out is left to _out_kernel\n"
+            "    pass\n@triton.jit\ndef _sort_kernel_3(x):\n    pass\n")
+    names = ["_out_kernel", "_walk_kernel", "_sort_kernel", "_walk"]
+    assert kernels_defined_in([code], names) == ["_sort_kernel", "_walk_kernel"]
+    with pytest.raises(AssertionError, match="_out_kernel"):
+        assert_kernels_in_code(["_walk_kernel", "_out_kernel"], [code], "example")
 
 
 def test_kernel_discovery_finds_forward_and_backward_kernels():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import socket
 from datetime import timedelta
 
@@ -23,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
-from compile_tests import launched_kernels
+from compile_tests import kernels_defined_in, launched_kernels
 from sdm_ops.nn import SparseDeltaMemory
 from tests.helpers import assert_close, capture, kernel_modules, requires_cuda
 
@@ -184,9 +183,9 @@ def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
         compiled(layer, x, g).backward()
 
     _, codes = run_and_get_code(forward_and_backward)
-    code = "\n".join(codes)
-    # A whole name, or with the "_<n>" that TORCHINDUCTOR_UNIQUE_USER_KERNEL_NAMES=1 appends.
-    found = sorted(n for n in candidates if re.search(rf"(?<!\w){re.escape(n)}(_\d+)?(?!\w)", code))
+    # Defined there, not merely named: phase 2's forward kernel names _out_kernel in a comment,
+    # and the layer's forward (a snapshot kept for the backward) does not launch that kernel.
+    found = kernels_defined_in(codes, candidates)
     # Forward: product-key top-k (read and write addresses), phase 1 (sort, pairs, and the
     # dense kernel for heavy chunks), the WY solve's two kernels, the first-write table, the
     # copy of the bank rows no chunk writes and phase 2. Backward: the bank gradient's copy,
