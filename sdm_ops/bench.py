@@ -407,6 +407,9 @@ def main(argv=None) -> int:
                         help="also print the scaling table over T, S and D")
     parser.add_argument("--addressing", action="store_true",
                         help="also print the table over chunk sizes and hot slot sets")
+    parser.add_argument("--tables-only", action="store_true",
+                        help="print only the tables --addressing and --scaling ask for (each of"
+                             " them and the main table with its peers take minutes)")
     parser.add_argument("--profile", action="store_true",
                         help="only print where forward+backward time goes, kernel by kernel")
     args = parser.parse_args(argv)
@@ -430,6 +433,12 @@ def main(argv=None) -> int:
           f"{bw / 1e12:.2f} TB/s")
     print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
           f"C={args.chunk_size}, bfloat16 values")
+    if args.tables_only:
+        if args.addressing:
+            addressing(shape)
+        if args.scaling:
+            scaling(args)
+        return 0
     head = (f"{'case':<28}{'fwd ms':>8}{'graph':>7}{'launches':>9}{'floor ms':>9}"
             f"{'x floor':>8}{'in place':>9}{'floor ms':>9}{'x floor':>8}"
             f"{'fwd+bwd ms':>11}{'graph':>7}{'floor ms':>9}{'x floor':>8}"
