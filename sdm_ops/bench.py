@@ -413,6 +413,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="only print where forward+backward time goes, kernel by kernel")
     args = parser.parse_args(argv)
+    if args.tables_only and not (args.addressing or args.scaling):
+        parser.error("--tables-only needs --addressing or --scaling: it prints only those tables")
     shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
     if args.snapshot_errors:
         dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -51,3 +51,10 @@ def test_a_hot_workload_names_only_its_hot_slots():
     b = bench.make_workload(2, 64, 2, 16, 4096, 4, 4, decay=False, bank_dtype=torch.float32,
                             dev="cpu")
     assert len(torch.cat([b["write_idx"].flatten(), b["read_idx"].flatten()]).unique()) > 8
+
+
+def test_tables_only_without_a_table_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--tables-only"])
+    assert exit_info.value.code == 2
+    assert "--tables-only needs --addressing or --scaling" in capsys.readouterr().err
