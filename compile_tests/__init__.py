@@ -46,7 +46,7 @@ def launched_kernels(launcher: types.FunctionType | types.ModuleType) -> list[st
     return kernels
 
 
-def kernels_defined_in(codes: list[str], kernels) -> list[str]:
+def kernels_defined_in(kernels, codes: list[str]) -> list[str]:
     """Those of ``kernels`` whose definition Inductor's output code (``run_and_get_code``'s
     strings) holds, sorted: ``def name(`` as Inductor splices a user-defined Triton kernel's
     source in, or ``def name_<n>(`` under TORCHINDUCTOR_UNIQUE_USER_KERNEL_NAMES=1. A name met
@@ -57,7 +57,7 @@ def kernels_defined_in(codes: list[str], kernels) -> list[str]:
 
 def assert_kernels_in_code(kernels: list[str], codes: list[str], what: str) -> None:
     """Inductor's output code defines each kernel (``kernels_defined_in``)."""
-    missing = sorted(set(kernels) - set(kernels_defined_in(codes, kernels)))
+    missing = sorted(set(kernels) - set(kernels_defined_in(kernels, codes)))
     assert not missing, (f"{what}: Inductor's output code ({len(codes)} module(s)) lacks the "
                          f"Triton kernels {missing}; expected all of {kernels}")
 

@@ -99,7 +99,7 @@ def test_kernel_lookup_counts_definitions_not_mentions():
     code = ("@triton.jit\ndef _walk_kernel(x):\n    # out is left to _out_kernel\n"
             "    pass\n@triton.jit\ndef _sort_kernel_3(x):\n    pass\n")
     names = ["_out_kernel", "_walk_kernel", "_sort_kernel", "_walk"]
-    assert kernels_defined_in([code], names) == ["_sort_kernel", "_walk_kernel"]
+    assert kernels_defined_in(names, [code]) == ["_sort_kernel", "_walk_kernel"]
     with pytest.raises(AssertionError, match="_out_kernel"):
         assert_kernels_in_code(["_walk_kernel", "_out_kernel"], [code], "example")
 

@@ -185,7 +185,7 @@ def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
     _, codes = run_and_get_code(forward_and_backward)
     # Defined there, not merely named: phase 2's forward kernel names _out_kernel in a comment,
     # and the layer's forward (a snapshot kept for the backward) does not launch that kernel.
-    found = kernels_defined_in(codes, candidates)
+    found = kernels_defined_in(candidates, codes)
     # Forward: product-key top-k (read and write addresses), phase 1 (sort, pairs, and the
     # dense kernel for heavy chunks), the WY solve's two kernels, the first-write table, the
     # copy of the bank rows no chunk writes and phase 2. Backward: the bank gradient's copy,
