@@ -13,9 +13,9 @@
 #                  8941e40, 426 s at 653682b with the sanitizer on the other GPU; give it
 #                  PYTEST_TIMEOUT=540)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s;
-#                  216 s at 20afbba, 266 s at 6e361bd, 227 s at d6e95b5)
+#                  216 s at 20afbba, 266 s at 6e361bd, 227 s at d6e95b5, 247 s at 6933d93)
 #   tests          the rest of tests/ (one H200: 386 s at a0057f1, 479 s at 20afbba, 442 at 6e361bd,
-#                  385 s at d6e95b5; give it PYTEST_TIMEOUT=570)
+#                  385 s at d6e95b5, 489 s at 6933d93; give it PYTEST_TIMEOUT=570)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
 #                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
 #                  run with --addressing reached only its second addressing row in 370 s, so
@@ -25,7 +25,7 @@
 #                  d6e95b5 with BENCH_TIMEOUT=330 cut after the peers, before the packed batch,
 #                  and `--no-reference --scaling` cut at 230 s in the peers: the
 #                  addressing and scaling tables want a call of their own: `python3 -m
-#                  sdm_ops.bench --tables-only --scaling`, not yet run on a GPU)
+#                  sdm_ops.bench --tables-only --scaling`, about 90 s at f9ebed1)
 #   ab             python scripts/ab_phase2.py over the package copies named in AB (default
 #                  ".ab/main .ab/new"), float32 then bfloat16 bank, ROUNDS rounds (default 2),
 #                  the snapshot mode SNAPSHOT (default none), the chunk size CHUNK (default 64);
