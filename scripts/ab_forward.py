@@ -4,12 +4,14 @@ session (how PERF_NOTES 27 was measured).
 
 Each variant is a directory holding a copy of the ``sdm_ops`` package, as for
 ``ab_phase2.py``. For each, in a fresh process with that copy as its working directory, this
-times the reference workload's forward (B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, chunk 64, decay)
-eagerly and replayed from a CUDA graph (median of 20), with a float32 and a bfloat16 bank; then
+times the reference workload's forward (B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, chunk 64, decay;
+``--shape B,T,H,D,S`` another) eagerly and replayed from a CUDA graph (median of 20), with a
+float32 and a bfloat16 bank; then
 it prints each variant's largest difference from the first's at 4096 sampled positions of out
 and the bank. With ``--all``, the float32 bank's in-place forward (``sparse_delta_memory_``)
 and forward+backward are timed too.
-Usage: ``python scripts/ab_forward.py .ab/base .ab/new [--rounds 2] [--all]``.
+Usage: ``python scripts/ab_forward.py .ab/base .ab/new [--rounds 2] [--all] [--shape
+1,16384,8,128,65536]``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from _ab import each_run, parser, print_differences
 _WORKER = r"""
 import os, sys, torch
 from sdm_ops import bench
-path = sys.argv[1]
+path, shape = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 assert bench.__file__.startswith(os.getcwd() + os.sep), bench.__file__   # this copy's package
 ms, samples = {}, {}
 pick = torch.Generator(device="cuda").manual_seed(11)
 for dtype in (torch.float32, torch.bfloat16):
-    a = bench.make_workload(8, 4096, 8, 64, 65536, 8, 8, decay=True, bank_dtype=dtype)
+    a = bench.make_workload(*shape, 8, 8, decay=True, bank_dtype=dtype)
     fwd = bench.forward_fn(a, 64)
     out, bank = fwd()
     name = str(dtype).split(".")[-1]
@@ -47,11 +49,15 @@ torch.save({"ms": ms, "samples": samples}, path)
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--all", action="store_true", help="also the in-place forward and fwd+bwd")
+    p.add_argument("--shape", default="8,4096,8,64,65536", help="B,T,H,D,S (W = R = 8)")
     args = p.parse_args()
+    if len(args.shape.split(",")) != 5 or not all(x.isdigit() for x in args.shape.split(",")):
+        p.error(f"--shape takes five integers B,T,H,D,S, got {args.shape!r}")
     results = {}
-    print("inference forward, B,T,H,D,S,W,R = 8,4096,8,64,65536,8,8, C = 64, decay "
+    print(f"inference forward, B,T,H,D,S,W,R = {args.shape},8,8, C = 64, decay "
           "(ms, median of 20: eager / CUDA graph)")
-    for v, got in each_run(args.variants, args.rounds, _WORKER, ["--all"] if args.all else []):
+    extra = [args.shape] + (["--all"] if args.all else [])
+    for v, got in each_run(args.variants, args.rounds, _WORKER, extra):
         results.setdefault(v, got)
         cells = "  ".join(f"{k} {e:.3f} / {g:.3f}" for k, (e, g) in got["ms"].items())
         print(f"{v:<20} {cells}", flush=True)
