@@ -16,6 +16,9 @@ Usage: ``python scripts/ab_forward.py .ab/base .ab/new [--rounds 2] [--all] [--s
 
 from __future__ import annotations
 
+import argparse
+import re
+
 from _ab import each_run, parser, print_differences
 
 _WORKER = r"""
@@ -46,13 +49,19 @@ torch.save({"ms": ms, "samples": samples}, path)
 """
 
 
+def _shape(text: str) -> str:
+    """``--shape``'s value, checked here (the worker parses it): five integers B,T,H,D,S."""
+    if not re.fullmatch(r"\d+(,\d+){4}", text):
+        raise argparse.ArgumentTypeError(f"five integers B,T,H,D,S, not {text!r}")
+    return text
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--all", action="store_true", help="also the in-place forward and fwd+bwd")
-    p.add_argument("--shape", default="8,4096,8,64,65536", help="B,T,H,D,S (W = R = 8)")
+    p.add_argument("--shape", default="8,4096,8,64,65536", type=_shape,
+                   help="B,T,H,D,S (W = R = 8)")
     args = p.parse_args()
-    if len(args.shape.split(",")) != 5 or not all(x.isdigit() for x in args.shape.split(",")):
-        p.error(f"--shape takes five integers B,T,H,D,S, got {args.shape!r}")
     results = {}
     print(f"inference forward, B,T,H,D,S,W,R = {args.shape},8,8, C = 64, decay "
           "(ms, median of 20: eager / CUDA graph)")

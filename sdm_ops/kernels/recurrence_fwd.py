@@ -134,12 +134,8 @@ def _gather(row_p, ok, w, cols, KEEP: tl.constexpr):
     their sums weighted by ``w`` over the entries, [TB, BD]. ``KEEP`` asks L2 to keep the rows
     (evict_last): the one-tile walk without a snapshot, 1-2% faster so (PERF_NOTES 42); the
     other walks keep the default, not timed with it."""
-    if KEEP:
-        rows = tl.load(row_p[:, :, None] + cols[None, None, :], mask=ok[:, :, None], other=0.0,
-                       eviction_policy="evict_last").to(tl.float32)
-    else:
-        rows = tl.load(row_p[:, :, None] + cols[None, None, :], mask=ok[:, :, None],
-                       other=0.0).to(tl.float32)
+    rows = tl.load(row_p[:, :, None] + cols[None, None, :], mask=ok[:, :, None], other=0.0,
+                   eviction_policy="evict_last" if KEEP else "").to(tl.float32)
     return rows, tl.sum(w[:, :, None] * rows, 1)
 
 
