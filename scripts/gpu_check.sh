@@ -15,7 +15,13 @@
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s;
 #                  216 s at 20afbba, 266 s at 6e361bd, 227 s at d6e95b5, 247 s at 6933d93)
 #   tests          the rest of tests/ (one H200: 386 s at a0057f1, 479 s at 20afbba, 442 at 6e361bd,
-#                  385 s at d6e95b5, 489 s at 6933d93; give it PYTEST_TIMEOUT=570)
+#                  385 s at d6e95b5, 489 s at 6933d93; at e61b4fd cut by PYTEST_TIMEOUT=560 with
+#                  one test left, a widest product-key top-k case that alone takes 108 s, most
+#                  of it compiling: the halves below fit a call with room to spare)
+#   tests-a        tests/'s kernel files: top-k, WY solve, bank copy, chunk prepare, reference,
+#                  decode, properties, the sm_90 compile check
+#   tests-b        the rest of tests/ but test_opcheck.py (varlen, nn, validation, recurrence,
+#                  backward, bench at e61b4fd): tests-a and tests-b are PART=tests
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
 #                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
 #                  run with --addressing reached only its second addressing row in 370 s, so
@@ -64,12 +70,23 @@ if [ "$PART" = all ] && [ "$gpus" -ge 2 ] && [ -z "${NO_SANITIZE:-}" ]; then
         bash scripts/sanitize.sh >"$OUT/sanitize.out" 2>&1 &
     sanitizer=$!
 fi
+tests_a=(tests/test_product_key_topk.py tests/test_wy_solve.py tests/test_bank_copy.py
+         tests/test_chunk_prepare.py tests/test_reference.py tests/test_decode.py
+         tests/test_properties.py tests/test_kernels_compile_sm90.py)
 case "$PART" in
     all|suite) targets=(tests compile_tests) ;;
     compile) targets=(compile_tests tests/test_opcheck.py) ;;
     tests) targets=(tests --deselect tests/test_opcheck.py) ;;
+    tests-a) targets=("${tests_a[@]}") ;;
+    tests-b) targets=()
+             for f in tests/test_*.py; do
+                 case " ${tests_a[*]} tests/test_opcheck.py " in
+                     *" $f "*) ;;
+                     *) targets+=("$f") ;;
+                 esac
+             done ;;
     bench|ab) targets=() ;;
-    *) echo "unknown PART=$PART (all, suite, compile, tests, bench, ab)"; exit 2 ;;
+    *) echo "unknown PART=$PART (all, suite, compile, tests, tests-a, tests-b, bench, ab)"; exit 2 ;;
 esac
 if [ "${#targets[@]}" -gt 0 ]; then
     # pytest-xdist spreads the suite (compiles dominate) over the machine's cores.
