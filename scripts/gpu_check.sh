@@ -17,7 +17,8 @@
 #   tests          the rest of tests/ (one H200: 386 s at a0057f1, 479 s at 20afbba, 442 at 6e361bd,
 #                  385 s at d6e95b5, 489 s at 6933d93; at e61b4fd cut by PYTEST_TIMEOUT=560 with
 #                  one test left, a widest product-key top-k case that alone takes 108 s, most
-#                  of it compiling: the halves below fit a call with room to spare)
+#                  of it compiling; the halves below, not yet run on a GPU, are meant to fit a
+#                  call each with room to spare)
 #   tests-a        tests/'s kernel files: top-k, WY solve, bank copy, chunk prepare, reference,
 #                  decode, properties, the sm_90 compile check
 #   tests-b        the rest of tests/ but test_opcheck.py (varlen, nn, validation, recurrence,
