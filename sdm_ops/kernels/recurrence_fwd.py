@@ -16,9 +16,9 @@ and out = inter + QX u by full-float32 dots, then, after a barrier, write. Witho
 (the in-place and inference forwards) the walk forms only delta and stores res = v - retrieved
 and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta res) afterwards, one
 program a chunk and stream, in tf32x3: the walk then fits two programs an SM (PERF_NOTES 40).
-Where the walk's programs are no more than the SMs (``walk_forms_out``: few streams), it forms
-out itself by the full-float32 dot, as with a snapshot; which of the two a call takes depends on
-its streams, D and the device's SM count alone.
+Where the walk's programs are no more than the SMs and the bank is float32 (``walk_forms_out``:
+few streams), it forms out itself by the full-float32 dot, as with a snapshot; which of the two
+a call takes depends on its streams, D, bank dtype and the device's SM count alone.
 Otherwise the chunk goes in three steps over tiles of TB tokens, with barriers between them:
 (1) gathers, storing res = v - retrieved and inter (to a per-program scratch); (2) the dots,
 storing delta; (3) the writes. Writes go in passes over the entries' rank within their slot:
@@ -35,11 +35,11 @@ write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r
 X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; res, delta [B, T, H, D]
 float32 (written only with a snapshot, or as scratch by the three-step path; res, and inter_buf
 [B, T, H, D] float32, by the one-tile path without a snapshot for ``_out_kernel``, unless the
-walk forms out); scratch [B * H, C, D] float32. The snapshot holds the chunk-start row of every
-entry, write entries then read entries (E = W + R per token): rows [B, T, H, E, D] (none: bank dtype, bf16: bfloat16,
-fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, E, D / 2] uint8 (int4), with scales
-[B, T, H, E, D / 16] float32 for fp8 and int4 (one per 16 columns, see
-``reference.quantize_rows``); the backward reads every bank row it needs from it. Indices
+walk forms out); scratch [B * H, C, D] float32. The snapshot holds the chunk-start row of
+every entry, write entries then read entries (E = W + R per token): rows [B, T, H, E, D] (none:
+bank dtype, bf16: bfloat16, fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, E, D / 2]
+uint8 (int4), with scales [B, T, H, E, D / 16] float32 for fp8 and int4 (one per 16 columns,
+see ``reference.quantize_rows``); the backward reads every bank row it needs from it. Indices
 outside [0, S) are masked: they read and write nothing. Bank offsets are 64-bit.
 
 With a source bank (the functional operator's: ``source`` [B, H, S, D] or shared [H, S, D]
@@ -433,16 +433,18 @@ def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     return wp, rp, tb
 
 
-def walk_forms_out(streams: int, D: int, device: torch.device) -> bool:
-    """Whether the one-tile walk without a snapshot forms out itself (one program an SM at
-    most: ``streams * D / BLOCK_D`` programs no more than the SMs, as at B = 1, H = 8), rather
-    than leaving it to ``_out_kernel`` so that the walk fits two programs an SM (the reference
-    shape's 256 programs on 132 SMs; PERF_NOTES 40)."""
+def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the one-tile walk without a snapshot forms out itself: with a float32 bank where
+    its ``streams * D / BLOCK_D`` programs are no more than the SMs (one program an SM at most,
+    as at B = 1 or 2, H = 8), rather than leaving out to ``_out_kernel`` so that the walk fits
+    two programs an SM (the reference shape's 256 programs on 132 SMs; PERF_NOTES 40). On the
+    H200 the walk's out is 5-9% faster with a float32 bank at B = 1 and 2 and 4-9% slower with
+    a bfloat16 one (PERF_NOTES 44)."""
     sms = _WALK_SMS
     if sms is None:
         sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 0)
-    return streams * (D // BLOCK_D) <= sms
+    return bank_dtype == torch.float32 and streams * (D // BLOCK_D) <= sms
 
 
 def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
@@ -464,9 +466,10 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     # The one-tile path keeps a chunk in registers and touches neither the scratch nor, without
     # a snapshot, delta (one-element stand-ins then); without a snapshot it forms out itself
-    # where the walk has at most one program an SM, else stores res and inter for _out_kernel.
+    # where the walk has at most one program an SM and the bank is float32, else stores res and
+    # inter for _out_kernel.
     tiled = tb < C
-    out_walk = not tiled and snapshot is None and walk_forms_out(streams, D, v.device)
+    out_walk = not tiled and snapshot is None and walk_forms_out(streams, D, bank.dtype, v.device)
     out_after = not tiled and snapshot is None and not out_walk
     f32 = dict(dtype=torch.float32, device=v.device)
     scratch = torch.empty((streams, C, D) if tiled else (1,), **f32)
