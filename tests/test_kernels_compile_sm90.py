@@ -141,6 +141,12 @@ def _launches():
         with torch.no_grad():
             sdm_ops.sparse_delta_memory_(a["bank"].detach().clone(),
                                          **{k: v.detach() for k, v in a.items() if k != "bank"})
+        # The walk that forms out itself (where its programs are no more than the SMs).
+        with mock.patch.object(recurrence_fwd, "_WALK_SMS", 1 << 20), torch.no_grad():
+            sdm_ops.sparse_delta_memory_(a["bank"].detach().clone(),
+                                         **{k: v.detach() for k, v in a.items() if k != "bank"})
+            d = make_sdm_inputs(B=1, H=1, S=9, T=20, W=3, R=2, D=16, seed=5, device=KERNEL_DEVICE)
+            sdm_ops.sparse_delta_memory_(d.pop("bank"), **d)
         # The inference forward's bounded bank copy (a GPU runs it beside phase 1).
         sdm_ops.ops.bank_copy(torch.randn(1, 9, 16, device=KERNEL_DEVICE), 2, 1)
         for dtype in (torch.float32, torch.bfloat16):

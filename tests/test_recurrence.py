@@ -144,6 +144,30 @@ def test_in_place_forward_forms_out_in_column_steps_for_wide_rows_and_long_chunk
     assert_close(state, bank_r, rtol=1e-5, name="bank")
 
 
+@pytest.mark.parametrize("sms", [0, 1000])
+def test_forwards_without_a_snapshot_form_out_in_the_walk_or_after_it(sms, monkeypatch):
+    """Where the walk's programs are no more than the SMs (and the bank is float32) it forms out
+    itself, else ``_out_kernel`` does (``walk_forms_out``, here with ``sms`` SMs): the in-place
+    and inference forwards give the oracle's result both ways, with a partial last chunk and
+    duplicate slots."""
+    from sdm_ops.kernels import recurrence_fwd as kf
+    monkeypatch.setattr(kf, "_WALK_SMS", sms)
+    device = torch.device(KERNEL_DEVICE)
+    assert kf.walk_forms_out(4, 32, torch.float32, device) == (sms > 0)
+    assert not kf.walk_forms_out(4, 32, torch.bfloat16, device)     # a bfloat16 bank: after
+    a = _inputs(B=2, T=45, H=2, D=32, W=4, R=3, S=12, seed=37 + sms)
+    out_r, bank_r = _oracle(a)
+    state = a["bank"].clone()
+    with on_kernels():
+        out = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"},
+                                           chunk_size=16)
+        with torch.no_grad():
+            out_f, bank_f = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+    for name, got, want in (("out", out, out_r), ("bank", state, bank_r),
+                            ("inference out", out_f, out_r), ("inference bank", bank_f, bank_r)):
+        assert_close(got, want, rtol=1e-5, name=name)
+
+
 def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
     a = _inputs(B=1, T=6, seed=15)
     out, bank = _run(a)

@@ -16,6 +16,9 @@ and out = inter + QX u by full-float32 dots, then, after a barrier, write. Witho
 (the in-place and inference forwards) the walk forms only delta and stores res = v - retrieved
 and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta res) afterwards, one
 program a chunk and stream, in tf32x3: the walk then fits two programs an SM (PERF_NOTES 40).
+Where the walk's programs are no more than the SMs and the bank is float32 (``walk_forms_out``:
+few streams), it forms out itself by the full-float32 dot, as with a snapshot; which of the two
+a call takes depends on its streams, D, bank dtype and the device's SM count alone.
 Otherwise the chunk goes in three steps over tiles of TB tokens, with barriers between them:
 (1) gathers, storing res = v - retrieved and inter (to a per-program scratch); (2) the dots,
 storing delta; (3) the writes. Writes go in passes over the entries' rank within their slot:
@@ -31,12 +34,12 @@ Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
 X, QX [B, H, N, C, C] float32; bank [B, H, S, D] float32 or bfloat16; res, delta [B, T, H, D]
 float32 (written only with a snapshot, or as scratch by the three-step path; res, and inter_buf
-[B, T, H, D] float32, by the one-tile path without a snapshot for ``_out_kernel``); scratch
-[B * H, C, D] float32. The snapshot holds the chunk-start row of every entry, write entries then
-read entries (E = W + R per token): rows [B, T, H, E, D] (none: bank dtype, bf16: bfloat16,
-fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, E, D / 2] uint8 (int4), with scales
-[B, T, H, E, D / 16] float32 for fp8 and int4 (one per 16 columns, see
-``reference.quantize_rows``); the backward reads every bank row it needs from it. Indices
+[B, T, H, D] float32, by the one-tile path without a snapshot for ``_out_kernel``, unless the
+walk forms out); scratch [B * H, C, D] float32. The snapshot holds the chunk-start row of
+every entry, write entries then read entries (E = W + R per token): rows [B, T, H, E, D] (none:
+bank dtype, bf16: bfloat16, fp8: float8_e4m3fn bit patterns as uint8) or [B, T, H, E, D / 2]
+uint8 (int4), with scales [B, T, H, E, D / 16] float32 for fp8 and int4 (one per 16 columns,
+see ``reference.quantize_rows``); the backward reads every bank row it needs from it. Indices
 outside [0, S) are masked: they read and write nothing. Bank offsets are 64-bit.
 
 With a source bank (the functional operator's: ``source`` [B, H, S, D] or shared [H, S, D]
@@ -73,6 +76,9 @@ _NUM_WARPS = 8
 _TILE = 8192          # entries x columns gathered at once
 _OUT_TILE = 4096      # chunk tokens x out's columns a step of _out_kernel, at most
 _OUT_WARPS = 4        # a chunk of 64 tokens; twice as many at 128
+# The SM count ``walk_forms_out`` assumes: None for the device's own (on the CPU none, so that
+# the interpreter takes the reference shape's path, out after the walk); tests set it.
+_WALK_SMS: int | None = None
 SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
 SNAP_CODES = {"none": SNAP_NONE, "bf16": SNAP_BF16, "fp8": SNAP_FP8, "int4": SNAP_INT4}
 
@@ -167,6 +173,7 @@ def _recurrence_fwd_kernel(
     D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
     C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
     MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr, SOURCE: tl.constexpr,
+    OUT_WALK: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
     c0 = tl.program_id(0) % (D // BD) * BD
@@ -257,8 +264,9 @@ def _recurrence_fwd_kernel(
             uu = bb[:, None] * (vv - retrieved)
             xo = x_base + ci[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
-            if SNAPSHOT:
+            if SNAPSHOT or OUT_WALK:
                 o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
+            if SNAPSHOT:
                 tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
                          mask=tok_ok[:, None])
                 tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
@@ -274,12 +282,17 @@ def _recurrence_fwd_kernel(
             rd = tl.load(row_decay + went, mask=lead, other=1.0)
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
             tl.debug_barrier()          # every gather of the chunk precedes its first write
-            if not SNAPSHOT:
-                # Without a snapshot, out = inter + QX u is left to _out_kernel, which forms it
-                # after the walk from the res and inter stored here: the walk does one dot a
-                # chunk, not two, and fits two programs an SM (PERF_NOTES 40). Stored after the
-                # barrier rather than with the dots (as out was: on the H200, Triton 3.6, 0.99-1.08
-                # ms this way and 1.31-1.35 ms the other; PERF_NOTES 12).
+            if not SNAPSHOT and OUT_WALK:
+                # With at most one program an SM, out in the walk (the second dot costs no
+                # occupancy there), stored after the barrier rather than with the dots (on the
+                # H200, Triton 3.6, 0.99-1.08 ms this way and 1.31-1.35 ms the other; PERF_NOTES
+                # 12).
+                tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
+                         mask=tok_ok[:, None])
+            elif not SNAPSHOT:
+                # Else out = inter + QX u is left to _out_kernel, which forms it after the walk
+                # from the res and inter stored here (after the barrier, as above): the walk does
+                # one dot a chunk, not two, and fits two programs an SM (PERF_NOTES 40).
                 tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
                          mask=tok_ok[:, None])
                 tl.store(inter_buf + tok[:, None] * D + cols[None, :], inter,
@@ -420,6 +433,20 @@ def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     return wp, rp, tb
 
 
+def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the one-tile walk without a snapshot forms out itself: with a float32 bank where
+    its ``streams * D / BLOCK_D`` programs are no more than the SMs (one program an SM at most,
+    as at B = 1 or 2, H = 8), rather than leaving out to ``_out_kernel`` so that the walk fits
+    two programs an SM (the reference shape's 256 programs on 132 SMs; PERF_NOTES 40). On the
+    H200 the walk's out is 5-9% faster with a float32 bank at B = 1 and 2 and 4-9% slower with
+    a bfloat16 one (PERF_NOTES 44)."""
+    sms = _WALK_SMS
+    if sms is None:
+        sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 0)
+    return bank_dtype == torch.float32 and streams * (D // BLOCK_D) <= sms
+
+
 def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
                    rank, X, QX, bank, out, res, delta, snap, snap_scale, snapshot: str | None,
                    chunks=None, seq_chunks=None, source=None, first=None) -> None:
@@ -438,10 +465,12 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         return
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     # The one-tile path keeps a chunk in registers and touches neither the scratch nor, without
-    # a snapshot, delta (one-element stand-ins then); without a snapshot it stores res and inter
-    # for _out_kernel.
+    # a snapshot, delta (one-element stand-ins then); without a snapshot it forms out itself
+    # where the walk has at most one program an SM and the bank is float32, else stores res and
+    # inter for _out_kernel.
     tiled = tb < C
-    out_after = not tiled and snapshot is None
+    out_walk = not tiled and snapshot is None and walk_forms_out(streams, D, bank.dtype, v.device)
+    out_after = not tiled and snapshot is None and not out_walk
     f32 = dict(dtype=torch.float32, device=v.device)
     scratch = torch.empty((streams, C, D) if tiled else (1,), **f32)
     if res is None:
@@ -460,7 +489,7 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         T, H, S, X.shape[2], H if source is not None and source.dim() == 3 else streams,
         D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS), KB=min(C, _ROWS),
         MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, SOURCE=source is not None,
-        num_warps=_NUM_WARPS)
+        OUT_WALK=out_walk, num_warps=_NUM_WARPS)
     if out_after:
         N, P = chunk_grid(B, T, H, C, chunks)
         # All of out's columns in one step up to 64 of them (the reference shape's, as timed),
