@@ -203,8 +203,11 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
 
 
 @requires_cuda
-def test_inductor_code_holds_the_recurrence_triton_kernels():
+def test_inductor_code_holds_the_recurrence_triton_kernels(monkeypatch):
     from sdm_ops.kernels import chunk_prepare, decode_step, recurrence_fwd, wy_solve
+    # The reference shape's path, with _out_kernel, whatever the device's SM count (at this
+    # test's few streams the walk would form out itself: recurrence_fwd.walk_forms_out).
+    monkeypatch.setattr(recurrence_fwd, "_WALK_SMS", 0)
     kernels = (launched_kernels(chunk_prepare.chunk_prepare)
                + launched_kernels(wy_solve.wy_solve_fwd)
                + launched_kernels(recurrence_fwd.recurrence_fwd))

@@ -114,7 +114,9 @@ def _launches():
              dict(T=9, W=0, R=2, D=64), dict(T=40, W=8, R=8, D=16)]
     tiles = [None] * len(cases) + [128]      # the last case: phase 2 over tiles of 2 tokens
     cases.append(dict(T=20, W=3, R=2, D=16))
-    with _recording(calls), on_kernels():
+    # _out_kernel's launches: the walk leaves out to it whatever the device's SM count (the
+    # walk that forms out itself is run below).
+    with _recording(calls), on_kernels(), mock.patch.object(recurrence_fwd, "_WALK_SMS", 0):
         for i, (case, tile) in enumerate(zip(cases, tiles)):
             with mock.patch.object(recurrence_fwd, "_TILE", tile or recurrence_fwd._TILE):
                 a = make_sdm_inputs(B=1, H=1, S=9, seed=i, device=KERNEL_DEVICE, **case)
