@@ -16,6 +16,7 @@ from torch import Tensor
 from . import ops
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
                       check_tensor, data_checks_enabled)
+from .kernels._common import sm_count
 from .reference import SNAPSHOT_MODES
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -225,8 +226,7 @@ def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.c
     if side is None:
         side = _side_streams[dev.index] = torch.cuda.Stream(dev)
     here = torch.cuda.current_stream(dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    programs = max(1, sms // (_COPY_SM_SHARE * banks))
+    programs = max(1, sm_count(dev) // (_COPY_SM_SHARE * banks))
     side.wait_stream(here)
     with torch.cuda.stream(side):
         bank_out = ops.bank_copy(bank, banks, programs)

@@ -38,6 +38,13 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda or (_ON_CPU.get() and t.device.type == "cpu")
 
 
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device``: 0 off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def on_device(t: torch.Tensor):
     """A context that makes ``t``'s CUDA device the current one while an operator launches its
     kernels. Triton launches on the current device and PyTorch's Python dispatch adds no device

@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._common import sm_count
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 from .chunk_prepare import chunk_grid
 
@@ -440,10 +441,7 @@ def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.
     two programs an SM (the reference shape's 256 programs on 132 SMs; PERF_NOTES 40). On the
     H200 the walk's out is 5-9% faster with a float32 bank at B = 1 and 2 and 4-9% slower with
     a bfloat16 one (PERF_NOTES 44)."""
-    sms = _WALK_SMS
-    if sms is None:
-        sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else 0)
+    sms = sm_count(device) if _WALK_SMS is None else _WALK_SMS
     return bank_dtype == torch.float32 and streams * (D // BLOCK_D) <= sms
 
 
@@ -469,8 +467,9 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
     # where the walk has at most one program an SM and the bank is float32, else stores res and
     # inter for _out_kernel.
     tiled = tb < C
-    out_walk = not tiled and snapshot is None and walk_forms_out(streams, D, bank.dtype, v.device)
-    out_after = not tiled and snapshot is None and not out_walk
+    plain = not tiled and snapshot is None
+    out_walk = plain and walk_forms_out(streams, D, bank.dtype, v.device)
+    out_after = plain and not out_walk
     f32 = dict(dtype=torch.float32, device=v.device)
     scratch = torch.empty((streams, C, D) if tiled else (1,), **f32)
     if res is None:
