@@ -13,17 +13,20 @@
 #                  8941e40, 426 s at 653682b with the sanitizer on the other GPU; give it
 #                  PYTEST_TIMEOUT=540)
 #   compile        compile_tests and tests/test_opcheck.py (one H200, 16 cores: about 250 s;
-#                  216 s at 20afbba, 266 s at 6e361bd, 227 s at d6e95b5, 247 s at 6933d93)
+#                  216 s at 20afbba, 266 s at 6e361bd, 227 s at d6e95b5, 247 s at 6933d93,
+#                  273 s at 6c2eb13 with a compiling pytest beside it)
 #   tests          the rest of tests/ (one H200: 386 s at a0057f1, 479 s at 20afbba, 442 at 6e361bd,
 #                  385 s at d6e95b5, 489 s at 6933d93; at e61b4fd cut by PYTEST_TIMEOUT=560 with
 #                  one test left, a widest product-key top-k case that alone takes 108 s, most
 #                  of it compiling; the halves below split it)
 #   tests-a        tests/'s kernel files: top-k, WY solve, bank copy, chunk prepare, reference,
 #                  decode, properties, the sm_90 compile check (one H200: 447 s at 6635231;
-#                  give it PYTEST_TIMEOUT=530)
+#                  give it PYTEST_TIMEOUT=530; at 6c2eb13 cut at 530 s with the top-k case
+#                  (4096, 2, 4096, 1), k = 100 left, which alone took 255 s, most of it
+#                  compiling: give that case a call of its own when it starts last)
 #   tests-b        the rest of tests/ but test_opcheck.py (varlen, nn, validation, recurrence,
 #                  backward, bench at e61b4fd): tests-a and tests-b are PART=tests (172 s at
-#                  6635231)
+#                  6635231, 155 s at 6c2eb13)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
 #                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
 #                  run with --addressing reached only its second addressing row in 370 s, so
