@@ -6,8 +6,8 @@ For each k the variants are the pinned configuration with ROWS in {1, 2, 4, 8, 1
 num_warps in {1, 2, 4, 8} and the chunk width CF of every factor in {64, 128, 256, 512} (one
 value for all factors, each capped at its next power of two; a chunk narrower than the
 factor means merging chunks), keeping those the kernel can take: (a) the launcher's gather
-rule, num_warps <= max(1, ROWS * narrowest // 32) with ``narrowest`` as ``_fwd_config`` has
-it (Triton lowers ``tl.gather`` warp-locally, each source's rows whole within a warp); (b) a
+rule, no more warps than ``_fwd_config`` would give ROWS rows with no other limit (Triton
+lowers ``tl.gather`` warp-locally, each source's rows whole within a warp); (b) a
 register budget, ROWS times the widest chunk (factor CF_f or stage CS_f) at most 8192 and at
 most 64 elements a thread; (c) no factor chunk narrower than the factor's ranked list LM_f
 (``tl.topk`` of the chunk). The pinned configuration is always among them (marked ``*``).
@@ -44,6 +44,7 @@ import multiprocessing
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import triton
@@ -51,6 +52,7 @@ import triton
 if importlib.util.find_spec("sdm_ops") is None:      # run from a checkout, not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from sdm_ops.kernels import product_key_topk
 from sdm_ops.kernels.product_key_topk import _fwd_config, _pow2, _product_key_topk_fwd
 
 ROWS_OPTIONS = (1, 2, 4, 8, 16, 32)
@@ -61,15 +63,12 @@ THREAD_BUDGET = 64           # elements of the widest chunk a thread
 SMOKE_VARIANTS = 3           # variants run under the interpreter besides the pinned one
 
 
-def narrowest(meta: dict) -> int:
-    """The narrowest ``tl.gather`` source's width, as ``_fwd_config`` computes it: the
-    smallest factor list LM_f (with more than one factor), stage width B_f and pow2(kk)."""
-    nf = meta["NF"]
-    width = 32
-    if nf > 1:
-        width = min([width] + [meta[f"LM{f}"] for f in range(nf)])
-    width = min([width] + [meta[f"B{f}"] for f in range(1, nf)])
-    return min(width, meta["LF"])
+def max_warps(factors: list[int], k: int, rows: int) -> int:
+    """The launcher's own warp cap at ``rows`` rows a program (its gather rule): what
+    ``_fwd_config`` gives with ROWS pinned to ``rows`` and no other limit on the warps."""
+    with mock.patch.multiple(product_key_topk, _FWD_MAX_ROWS=rows, _FWD_BLOCK=1 << 30,
+                             _FWD_WARPS=1 << 10):
+        return _fwd_config(list(factors), k)["num_warps"]
 
 
 def per_thread(meta: dict) -> int:
@@ -79,10 +78,11 @@ def per_thread(meta: dict) -> int:
     return meta["ROWS"] * widest // (32 * meta["num_warps"])
 
 
-def valid(meta: dict) -> bool:
-    """Whether the kernel can take ``meta``: rules (a), (b) and (c) of the docstring."""
+def valid(meta: dict, warp_cap: int) -> bool:
+    """Whether the kernel can take ``meta``: rules (a) (at most ``warp_cap`` warps), (b) and
+    (c) of the docstring."""
     nf = meta["NF"]
-    if meta["num_warps"] > max(1, meta["ROWS"] * narrowest(meta) // 32):
+    if meta["num_warps"] > warp_cap:
         return False
     if per_thread(meta) * 32 * meta["num_warps"] > REGISTER_BUDGET:
         return False
@@ -97,13 +97,14 @@ def variants(factors: list[int], k: int) -> tuple[dict, list[dict]]:
     base = _fwd_config(list(factors), k)
     caps = [_pow2(width) for width in factors]
     widths = sorted({min(chunk, max(caps)) for chunk in CHUNK_OPTIONS})
+    caps_by_rows = {rows: max_warps(factors, k, rows) for rows in ROWS_OPTIONS}
     out = []
     for rows in ROWS_OPTIONS:
         for warps in WARPS_OPTIONS:
             for chunk in widths:
                 meta = dict(base, ROWS=rows, num_warps=warps)
                 meta.update({f"CF{f}": min(chunk, cap) for f, cap in enumerate(caps)})
-                if valid(meta):
+                if valid(meta, caps_by_rows[rows]):
                     out.append(meta)
     if base not in out:
         out.append(base)
