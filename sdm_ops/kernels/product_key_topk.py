@@ -83,6 +83,8 @@ _BWD_WARPS = 4
 # lin-ordered key of the final sort.
 _MIN_KEY = tl.constexpr(-(2**63))
 _MAX_KEY = tl.constexpr(2**63 - 1)
+# Below every int32 factor key of a bfloat16 row (their high half is at least that of -inf).
+_MIN_KEY32 = tl.constexpr(-(2**31))
 
 
 def _pow2(x: int) -> int:
@@ -121,10 +123,24 @@ def _pack(x, tie):
 
 
 @triton.jit
+def _pack16(x, tie):
+    """int32 key of a float32 ``x`` that is a widened bfloat16 (its low 16 bits zero), with
+    ``tie`` (non-negative, < 2**14) breaking equal keys: the high half of ``_key32(x)``, which
+    orders such values as ``_key32`` does (a negative one's low half is all ones, a positive
+    one's zero), above ``tie << 2 | flags``."""
+    return ((_key32(x) >> 16) << 16) | (tie << 2) | _flags(x)
+
+
+@triton.jit
 def _value(key):
-    """The exact float32 packed in ``key`` by ``_pack``."""
-    k32 = (key >> 32).to(tl.int32)
-    flags = (key & 3).to(tl.int32)
+    """The exact float32 packed in ``key`` by ``_pack`` (int64) or ``_pack16`` (int32)."""
+    if key.dtype == tl.int32:
+        k16 = key >> 16
+        k32 = (k16 << 16) | ((k16 >> 31) & 0xFFFF)
+        flags = key & 3
+    else:
+        k32 = (key >> 32).to(tl.int32)
+        flags = (key & 3).to(tl.int32)
     b = k32 ^ ((k32 >> 31) & 0x7FFFFFFF)
     b = tl.where((flags & 2) != 0, 0x7FC00000, b)
     b = tl.where((flags & 1) != 0, -2147483648, b)
@@ -147,7 +163,10 @@ def _to_dtype(x, dtype: tl.constexpr):
 
 @triton.jit
 def _tie(key):
-    return ((key >> 2) & 0x1FFFFFFF).to(tl.int32)
+    if key.dtype == tl.int32:
+        return (key >> 2) & 0x3FFF
+    else:
+        return ((key >> 2) & 0x1FFFFFFF).to(tl.int32)
 
 
 # ---------------------------------------------------------------------------
@@ -162,14 +181,20 @@ def _merge(best, new, L: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _factor_keys(base, rmask, c0, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexpr):
-    """Keys of columns c0 .. c0 + CH - 1 of the factor at column OFF (F wide): [ROWS, CH]
-    int64, tie field 4095 - column; columns past F get _MIN_KEY."""
+    """Keys of columns c0 .. c0 + CH - 1 of the factor at column OFF (F wide): [ROWS, CH],
+    tie field 4095 - column; columns past F get the smallest key. int32 keys (``_pack16``)
+    for bfloat16 rows, whose values need 16 bits, so that the factor's sorts move half the
+    bits; int64 (``_pack``) for float32 rows."""
     col = c0 + tl.arange(0, CH)
     ok = col < F
     x = tl.load(base[:, None] + OFF + col[None, :], mask=rmask[:, None] & ok[None, :],
                 other=0.0).to(tl.float32)
-    key = _pack(x, (4095 - col)[None, :])
-    return tl.where(ok[None, :], key, _MIN_KEY)
+    if base.dtype.element_ty == tl.bfloat16:
+        key = _pack16(x, (4095 - col)[None, :])
+        return tl.where(ok[None, :], key, _MIN_KEY32)
+    else:
+        key = _pack(x, (4095 - col)[None, :])
+        return tl.where(ok[None, :], key, _MIN_KEY)
 
 
 @triton.jit
