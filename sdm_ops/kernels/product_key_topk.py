@@ -18,7 +18,9 @@ Algorithm (forward), per row, all in registers:
 
 1. Each factor's columns become packed int64 keys ``key32(x) << 32 | (4095 - c) << 2 | flags``
    where ``key32`` is an order-preserving signed int32 of the float (NaN -> key of -inf,
-   -0 -> +0) and ``flags`` remember NaN and -0 so the exact value decodes back. Keys are
+   -0 -> +0) and ``flags`` remember NaN and -0 so the exact value decodes back (bfloat16 rows:
+   int32 keys ``key32(x) >> 16 << 16 | (4095 - c) << 2 | flags``, a widened bfloat16's
+   ``key32`` being fixed by its high half). Keys are
    unique, so ``tl.topk`` of them is exactly the factor's best m_f = min(k, factors[f])
    columns, in rank order. Factors wider than a chunk (CF columns, at most _FWD_CHUNK) are
    taken chunk by chunk, the running best list merged with each chunk's (``_merge``).
