@@ -21,8 +21,8 @@ Algorithm (forward), per row, all in registers:
    -0 -> +0) and ``flags`` remember NaN and -0 so the exact value decodes back (bfloat16 rows:
    int32 keys ``key32(x) >> 16 << 16 | (4095 - c) << 2 | flags``, a widened bfloat16's
    ``key32`` being fixed by its high half). Keys are
-   unique, so ``tl.topk`` of them is exactly the factor's best m_f = min(k, factors[f])
-   columns, in rank order. Factors wider than a chunk (CF columns, at most _FWD_CHUNK) are
+   unique, so the top list of them (``_top``: ``tl.topk``, or for short lists rounds of a
+   row maximum) is exactly the factor's best m_f = min(k, factors[f]) columns, in rank order. Factors wider than a chunk (CF columns, at most _FWD_CHUNK) are
    taken chunk by chunk, the running best list merged with each chunk's (``_merge``).
 2. Stage f = 1..F-1 combines the previous list (n ranks, in order) with factor f's list
    (m ranks): candidate (i, j) scores ``prev[i] + x_f[j]`` (float32, in this order). Only
@@ -87,6 +87,11 @@ _MIN_KEY = tl.constexpr(-(2**63))
 _MAX_KEY = tl.constexpr(2**63 - 1)
 # Below every int32 factor key of a bfloat16 row (their high half is at least that of -inf).
 _MIN_KEY32 = tl.constexpr(-(2**31))
+# Top lists of at most this many int32 / int64 keys are taken by rounds of a maximum (``_top``),
+# longer ones by ``tl.topk``'s sorting network (the cut-offs where the rounds compile to fewer
+# instructions at factors (256, 256)).
+_ITER32 = tl.constexpr(16)
+_ITER64 = tl.constexpr(8)
 
 
 def _pow2(x: int) -> int:
@@ -176,9 +181,28 @@ def _tie(key):
 # ---------------------------------------------------------------------------
 
 @triton.jit
+def _top(keys, L: tl.constexpr):
+    """The L largest of each row's keys ([ROWS, N], unique but for repeats of the smallest
+    key), largest first: ``tl.topk`` for long lists; up to _ITER32 (int32 keys) or _ITER64
+    (int64) by L rounds of a row maximum, each taking its key out, which costs L passes over
+    the keys rather than a sorting network's log-squared and gives the same list."""
+    if (L > _ITER32) or (keys.dtype == tl.int64 and L > _ITER64):
+        return tl.topk(keys, L, dim=1)
+    else:
+        pos = tl.arange(0, L)[None, :]
+        floor = tl.min(keys, axis=1)[:, None]
+        out = tl.broadcast_to(floor, (keys.shape[0], L))
+        for i in tl.static_range(L):
+            best = tl.max(keys, axis=1)[:, None]
+            out = tl.where(pos == i, best, out)
+            keys = tl.where(keys == best, floor, keys)
+        return out
+
+
+@triton.jit
 def _merge(best, new, L: tl.constexpr, ROWS: tl.constexpr):
     """The best L keys of two [ROWS, L] key sets, best first."""
-    return tl.topk(tl.reshape(tl.join(best, new), (ROWS, 2 * L)), L, dim=1)
+    return _top(tl.reshape(tl.join(best, new), (ROWS, 2 * L)), L)
 
 
 @triton.jit
@@ -204,10 +228,9 @@ def _factor_top(base, rmask, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexp
                 LM: tl.constexpr, ROWS: tl.constexpr):
     """Keys of the best LM columns of the factor, best first ([ROWS, LM]), from chunks of CH
     columns."""
-    best = tl.topk(_factor_keys(base, rmask, 0, OFF, F, CH), LM, dim=1)
+    best = _top(_factor_keys(base, rmask, 0, OFF, F, CH), LM)
     for c0 in range(CH, F, CH):
-        best = _merge(best, tl.topk(_factor_keys(base, rmask, c0, OFF, F, CH), LM, dim=1),
-                      LM, ROWS)
+        best = _merge(best, _top(_factor_keys(base, rmask, c0, OFF, F, CH), LM), LM, ROWS)
     return best
 
 
@@ -247,10 +270,10 @@ def _stage(ps, plin, fkey, F: tl.constexpr, NP: tl.constexpr, LP: tl.constexpr,
     """Best KK pairs of the previous list (scores ``ps``, slots ``plin``, [ROWS, LP], NP valid
     ranks) and factor keys ``fkey`` ([ROWS, LM], M valid ranks): [ROWS, B] scores and slots
     in rank order, the first KK valid. The (LOG + 1) * B candidates go in chunks of CH."""
-    best = tl.topk(_pair_keys(ps, fkey, 0, NP, M, KK, B, LOG, CH, ROWS), B, dim=1)
+    best = _top(_pair_keys(ps, fkey, 0, NP, M, KK, B, LOG, CH, ROWS), B)
     for c0 in range(CH, (LOG + 1) * B, CH):
-        best = _merge(best, tl.topk(_pair_keys(ps, fkey, c0, NP, M, KK, B, LOG, CH, ROWS), B,
-                                    dim=1), B, ROWS)
+        best = _merge(best, _top(_pair_keys(ps, fkey, c0, NP, M, KK, B, LOG, CH, ROWS), B), B,
+                      ROWS)
     tie = 65535 - _tie(best)
     ti = tl.minimum(tie >> 8, LP - 1)
     tj = tl.minimum(tie & 255, LM - 1)
