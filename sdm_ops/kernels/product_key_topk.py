@@ -52,7 +52,8 @@ Grid: one axis, ``cdiv(n, ROWS)`` programs; program p owns rows ``p * ROWS .. p 
 - 1`` (64-bit row offsets), all of its tensors being [ROWS, *] blocks. Launch configurations
 (ROWS, chunk widths, warps) are pinned by the factors and k alone (no autotuning), so a
 launch never syncs with the host and is CUDA-graph capturable. The warp count keeps each
-gather source's rows whole within a warp, which Triton's gather lowering requires.
+gather source's rows whole within a warp, which Triton's gather lowering requires; lists of at
+most 4 entries are read by selects instead, so they do not bound it.
 
 Determinism: the forward is a pure function of the row (integer keys with no two equal, so no
 ordering choice is left to the sort). The backward has one writer per gradient element and
@@ -81,6 +82,10 @@ _BWD_COLS = 256
 _BWD_BLOCK = 2048
 _BWD_MAX_ROWS = 16
 _BWD_WARPS = 4
+# Lists of at most this many entries are read by selects (``_take``) rather than ``tl.gather``,
+# so that they do not bound the warp count.
+_SELECT_WIDTH = 4
+_SELECT = tl.constexpr(_SELECT_WIDTH)
 # Below every key ``_pack`` makes (their int32 part is at least that of -inf), and above every
 # lin-ordered key of the final sort.
 _MIN_KEY = tl.constexpr(-(2**63))
@@ -176,6 +181,30 @@ def _tie(key):
         return ((key >> 2) & 0x1FFFFFFF).to(tl.int32)
 
 
+@triton.jit
+def _take(src, idx, L: tl.constexpr):
+    """``src[r, idx[r, n]]`` for a [ROWS, L] ``src`` (int64 or float32) and a [ROWS, N]
+    ``idx`` in [0, L). Up to _SELECT_WIDTH columns by selects, exact for every value (a
+    float32 source is read as its bits), else by ``tl.gather``, which Triton lowers within a
+    warp, so only wider sources bound the launcher's warp count."""
+    if L > _SELECT:
+        return tl.gather(src, idx, 1)
+    else:
+        if src.dtype == tl.float32:
+            bits = src.to(tl.int32, bitcast=True)
+        else:
+            bits = src
+        cols = tl.arange(0, L)[None, :]
+        out = tl.broadcast_to(tl.sum(tl.where(cols == 0, bits, 0), axis=1)[:, None], idx.shape)
+        for c in tl.static_range(1, L):
+            col = tl.sum(tl.where(cols == c, bits, 0), axis=1)
+            out = tl.where(idx == c, col[:, None], out)
+        if src.dtype == tl.float32:
+            return out.to(tl.float32, bitcast=True)
+        else:
+            return out
+
+
 # ---------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------
@@ -240,8 +269,9 @@ def _factor_col(key):
 
 
 @triton.jit
-def _pair_keys(ps, fkey, c0, NP: tl.constexpr, M: tl.constexpr, KK: tl.constexpr,
-               B: tl.constexpr, LOG: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr):
+def _pair_keys(ps, fkey, c0, NP: tl.constexpr, LP: tl.constexpr, M: tl.constexpr,
+               LM: tl.constexpr, KK: tl.constexpr, B: tl.constexpr, LOG: tl.constexpr,
+               CH: tl.constexpr, ROWS: tl.constexpr):
     """Keys of candidates c0 .. c0 + CH - 1 of a stage: [ROWS, CH] int64, tie field
     65535 - (256 i + j); candidates that cannot be among the best KK get _MIN_KEY.
     Candidate c lies in region r = c // B at offset o = c % B: region 0 is (i, j) = (o, 0),
@@ -258,7 +288,7 @@ def _pair_keys(ps, fkey, c0, NP: tl.constexpr, M: tl.constexpr, KK: tl.constexpr
     j = tl.where(ok, j, 0)
     ii = tl.broadcast_to(i[None, :], (ROWS, CH))
     jj = tl.broadcast_to(j[None, :], (ROWS, CH))
-    s = tl.gather(ps, ii, 1) + _value(tl.gather(fkey, jj, 1))
+    s = _take(ps, ii, LP) + _value(_take(fkey, jj, LM))
     key = _pack(s, (65535 - (i * 256 + j))[None, :])
     return tl.where(ok[None, :], key, _MIN_KEY)
 
@@ -270,14 +300,14 @@ def _stage(ps, plin, fkey, F: tl.constexpr, NP: tl.constexpr, LP: tl.constexpr,
     """Best KK pairs of the previous list (scores ``ps``, slots ``plin``, [ROWS, LP], NP valid
     ranks) and factor keys ``fkey`` ([ROWS, LM], M valid ranks): [ROWS, B] scores and slots
     in rank order, the first KK valid. The (LOG + 1) * B candidates go in chunks of CH."""
-    best = _top(_pair_keys(ps, fkey, 0, NP, M, KK, B, LOG, CH, ROWS), B)
+    best = _top(_pair_keys(ps, fkey, 0, NP, LP, M, LM, KK, B, LOG, CH, ROWS), B)
     for c0 in range(CH, (LOG + 1) * B, CH):
-        best = _merge(best, _top(_pair_keys(ps, fkey, c0, NP, M, KK, B, LOG, CH, ROWS), B), B,
-                      ROWS)
+        keys = _pair_keys(ps, fkey, c0, NP, LP, M, LM, KK, B, LOG, CH, ROWS)
+        best = _merge(best, _top(keys, B), B, ROWS)
     tie = 65535 - _tie(best)
     ti = tl.minimum(tie >> 8, LP - 1)
     tj = tl.minimum(tie & 255, LM - 1)
-    lin = tl.gather(plin, ti, 1) * F + _factor_col(tl.gather(fkey, tj, 1)).to(tl.int64)
+    lin = _take(plin, ti, LP) * F + _factor_col(_take(fkey, tj, LM)).to(tl.int64)
     return _value(best), lin
 
 
@@ -322,7 +352,7 @@ def _product_key_topk_fwd(
     skey = tl.where(keep[None, :], (lin << 8) | pos[None, :].to(tl.int64), _MAX_KEY)
     skey = tl.sort(skey, dim=1)
     p = tl.minimum((skey & 255).to(tl.int32), LF - 1)
-    val = tl.gather(score, p, 1)
+    val = _take(score, p, LF)
     out = row[:, None] * KK + pos[None, :]
     smask = rmask[:, None] & keep[None, :]
     tl.store(lin_ptr + out, skey >> 8, mask=smask)
@@ -333,7 +363,9 @@ def _fwd_config(factors: list[int], k: int) -> dict:
     """Constexprs and launch options of ``_product_key_topk_fwd``, a function of factors and k
     alone. ROWS fills a block of about _FWD_BLOCK elements of the widest per-row tensor; the
     warp count is capped so that every ``tl.gather`` source has whole rows per warp (Triton
-    lowers a gather warp-locally and asserts it can)."""
+    lowers a gather warp-locally and asserts it can); lists of at most _SELECT_WIDTH entries
+    are read by selects (``_take``) and do not count, so that a narrow factor (1 to 4 columns)
+    or a small k does not leave a program of wide chunks with one warp."""
     meta = {}
     widest, narrowest = 1, 32
     for f in range(4):
@@ -343,7 +375,7 @@ def _fwd_config(factors: list[int], k: int) -> dict:
         meta.update({f"F{f}": width, f"M{f}": m, f"LM{f}": _pow2(m), f"CF{f}": chunk})
         if f < len(factors):
             widest = max(widest, chunk)
-            if len(factors) > 1:
+            if len(factors) > 1 and _pow2(m) > _SELECT_WIDTH:
                 narrowest = min(narrowest, _pow2(m))
     kept = meta["M0"]
     for f in range(1, 4):
@@ -354,9 +386,11 @@ def _fwd_config(factors: list[int], k: int) -> dict:
         meta.update({f"KK{f}": kept, f"B{f}": b, f"LOG{f}": _log2(b), f"CS{f}": chunk})
         if f < len(factors):
             widest = max(widest, chunk)
-            narrowest = min(narrowest, b)
+            if b > _SELECT_WIDTH:
+                narrowest = min(narrowest, b)
     kk = min(k, math.prod(factors))
-    narrowest = min(narrowest, _pow2(kk))
+    if _pow2(kk) > _SELECT_WIDTH:
+        narrowest = min(narrowest, _pow2(kk))
     rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // widest))
     warps = max(1, min(_FWD_WARPS, rows * narrowest // 32))
     meta.update(NF=len(factors), KK=kk, LF=_pow2(kk), W=sum(factors), ROWS=rows,
