@@ -18,9 +18,11 @@ Algorithm (forward), per row, all in registers:
 
 1. Each factor's columns become packed int64 keys ``key32(x) << 32 | (4095 - c) << 2 | flags``
    where ``key32`` is an order-preserving signed int32 of the float (NaN -> key of -inf,
-   -0 -> +0) and ``flags`` remember NaN and -0 so the exact value decodes back. Keys are
-   unique, so ``tl.topk`` of them is exactly the factor's best m_f = min(k, factors[f])
-   columns, in rank order. Factors wider than a chunk (CF columns, at most _FWD_CHUNK) are
+   -0 -> +0) and ``flags`` remember NaN and -0 so the exact value decodes back (bfloat16 rows:
+   int32 keys ``key32(x) >> 16 << 16 | (4095 - c) << 2 | flags``, a widened bfloat16's
+   ``key32`` being fixed by its high half). Keys are
+   unique, so the top list of them (``_top``: ``tl.topk``, or for short lists rounds of a
+   row maximum) is exactly the factor's best m_f = min(k, factors[f]) columns, in rank order. Factors wider than a chunk (CF columns, at most _FWD_CHUNK) are
    taken chunk by chunk, the running best list merged with each chunk's (``_merge``).
 2. Stage f = 1..F-1 combines the previous list (n ranks, in order) with factor f's list
    (m ranks): candidate (i, j) scores ``prev[i] + x_f[j]`` (float32, in this order). Only
@@ -50,7 +52,8 @@ Grid: one axis, ``cdiv(n, ROWS)`` programs; program p owns rows ``p * ROWS .. p 
 - 1`` (64-bit row offsets), all of its tensors being [ROWS, *] blocks. Launch configurations
 (ROWS, chunk widths, warps) are pinned by the factors and k alone (no autotuning), so a
 launch never syncs with the host and is CUDA-graph capturable. The warp count keeps each
-gather source's rows whole within a warp, which Triton's gather lowering requires.
+gather source's rows whole within a warp, which Triton's gather lowering requires; lists of at
+most 4 entries are read by selects instead, so they do not bound it.
 
 Determinism: the forward is a pure function of the row (integer keys with no two equal, so no
 ordering choice is left to the sort). The backward has one writer per gradient element and
@@ -79,10 +82,21 @@ _BWD_COLS = 256
 _BWD_BLOCK = 2048
 _BWD_MAX_ROWS = 16
 _BWD_WARPS = 4
+# Lists of at most this many entries are read by selects (``_take``) rather than ``tl.gather``,
+# so that they do not bound the warp count.
+_SELECT_WIDTH = 4
+_SELECT = tl.constexpr(_SELECT_WIDTH)
 # Below every key ``_pack`` makes (their int32 part is at least that of -inf), and above every
 # lin-ordered key of the final sort.
 _MIN_KEY = tl.constexpr(-(2**63))
 _MAX_KEY = tl.constexpr(2**63 - 1)
+# Below every int32 factor key of a bfloat16 row (their high half is at least that of -inf).
+_MIN_KEY32 = tl.constexpr(-(2**31))
+# Top lists of at most this many int32 / int64 keys are taken by rounds of a maximum (``_top``),
+# longer ones by ``tl.topk``'s sorting network (the cut-offs where the rounds compile to fewer
+# instructions at factors (256, 256)).
+_ITER32 = tl.constexpr(16)
+_ITER64 = tl.constexpr(8)
 
 
 def _pow2(x: int) -> int:
@@ -121,10 +135,24 @@ def _pack(x, tie):
 
 
 @triton.jit
+def _pack16(x, tie):
+    """int32 key of a float32 ``x`` that is a widened bfloat16 (its low 16 bits zero), with
+    ``tie`` (non-negative, < 2**14) breaking equal keys: the high half of ``_key32(x)``, which
+    orders such values as ``_key32`` does (a negative one's low half is all ones, a positive
+    one's zero), above ``tie << 2 | flags``."""
+    return ((_key32(x) >> 16) << 16) | (tie << 2) | _flags(x)
+
+
+@triton.jit
 def _value(key):
-    """The exact float32 packed in ``key`` by ``_pack``."""
-    k32 = (key >> 32).to(tl.int32)
-    flags = (key & 3).to(tl.int32)
+    """The exact float32 packed in ``key`` by ``_pack`` (int64) or ``_pack16`` (int32)."""
+    if key.dtype == tl.int32:
+        k16 = key >> 16
+        k32 = (k16 << 16) | ((k16 >> 31) & 0xFFFF)
+        flags = key & 3
+    else:
+        k32 = (key >> 32).to(tl.int32)
+        flags = (key & 3).to(tl.int32)
     b = k32 ^ ((k32 >> 31) & 0x7FFFFFFF)
     b = tl.where((flags & 2) != 0, 0x7FC00000, b)
     b = tl.where((flags & 1) != 0, -2147483648, b)
@@ -147,7 +175,34 @@ def _to_dtype(x, dtype: tl.constexpr):
 
 @triton.jit
 def _tie(key):
-    return ((key >> 2) & 0x1FFFFFFF).to(tl.int32)
+    if key.dtype == tl.int32:
+        return (key >> 2) & 0x3FFF
+    else:
+        return ((key >> 2) & 0x1FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _take(src, idx, L: tl.constexpr):
+    """``src[r, idx[r, n]]`` for a [ROWS, L] ``src`` (int64 or float32) and a [ROWS, N]
+    ``idx`` in [0, L). Up to _SELECT_WIDTH columns by selects, exact for every value (a
+    float32 source is read as its bits), else by ``tl.gather``, which Triton lowers within a
+    warp, so only wider sources bound the launcher's warp count."""
+    if L > _SELECT:
+        return tl.gather(src, idx, 1)
+    else:
+        if src.dtype == tl.float32:
+            bits = src.to(tl.int32, bitcast=True)
+        else:
+            bits = src
+        cols = tl.arange(0, L)[None, :]
+        out = tl.broadcast_to(tl.sum(tl.where(cols == 0, bits, 0), axis=1)[:, None], idx.shape)
+        for c in tl.static_range(1, L):
+            col = tl.sum(tl.where(cols == c, bits, 0), axis=1)
+            out = tl.where(idx == c, col[:, None], out)
+        if src.dtype == tl.float32:
+            return out.to(tl.float32, bitcast=True)
+        else:
+            return out
 
 
 # ---------------------------------------------------------------------------
@@ -155,21 +210,46 @@ def _tie(key):
 # ---------------------------------------------------------------------------
 
 @triton.jit
+def _top(keys, L: tl.constexpr):
+    """The L largest of each row's keys ([ROWS, N], unique but for repeats of the smallest
+    key), largest first: ``tl.topk`` for long lists; up to _ITER32 (int32 keys) or _ITER64
+    (int64) by L rounds of a row maximum, each taking its key out, which costs L passes over
+    the keys rather than a sorting network's log-squared and gives the same list."""
+    if (L > _ITER32) or (keys.dtype == tl.int64 and L > _ITER64):
+        return tl.topk(keys, L, dim=1)
+    else:
+        pos = tl.arange(0, L)[None, :]
+        floor = tl.min(keys, axis=1)[:, None]
+        out = tl.broadcast_to(floor, (keys.shape[0], L))
+        for i in tl.static_range(L):
+            best = tl.max(keys, axis=1)[:, None]
+            out = tl.where(pos == i, best, out)
+            keys = tl.where(keys == best, floor, keys)
+        return out
+
+
+@triton.jit
 def _merge(best, new, L: tl.constexpr, ROWS: tl.constexpr):
     """The best L keys of two [ROWS, L] key sets, best first."""
-    return tl.topk(tl.reshape(tl.join(best, new), (ROWS, 2 * L)), L, dim=1)
+    return _top(tl.reshape(tl.join(best, new), (ROWS, 2 * L)), L)
 
 
 @triton.jit
 def _factor_keys(base, rmask, c0, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexpr):
-    """Keys of columns c0 .. c0 + CH - 1 of the factor at column OFF (F wide): [ROWS, CH]
-    int64, tie field 4095 - column; columns past F get _MIN_KEY."""
+    """Keys of columns c0 .. c0 + CH - 1 of the factor at column OFF (F wide): [ROWS, CH],
+    tie field 4095 - column; columns past F get the smallest key. int32 keys (``_pack16``)
+    for bfloat16 rows, whose values need 16 bits, so that the factor's sorts move half the
+    bits; int64 (``_pack``) for float32 rows."""
     col = c0 + tl.arange(0, CH)
     ok = col < F
     x = tl.load(base[:, None] + OFF + col[None, :], mask=rmask[:, None] & ok[None, :],
                 other=0.0).to(tl.float32)
-    key = _pack(x, (4095 - col)[None, :])
-    return tl.where(ok[None, :], key, _MIN_KEY)
+    if base.dtype.element_ty == tl.bfloat16:
+        key = _pack16(x, (4095 - col)[None, :])
+        return tl.where(ok[None, :], key, _MIN_KEY32)
+    else:
+        key = _pack(x, (4095 - col)[None, :])
+        return tl.where(ok[None, :], key, _MIN_KEY)
 
 
 @triton.jit
@@ -177,10 +257,9 @@ def _factor_top(base, rmask, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexp
                 LM: tl.constexpr, ROWS: tl.constexpr):
     """Keys of the best LM columns of the factor, best first ([ROWS, LM]), from chunks of CH
     columns."""
-    best = tl.topk(_factor_keys(base, rmask, 0, OFF, F, CH), LM, dim=1)
+    best = _top(_factor_keys(base, rmask, 0, OFF, F, CH), LM)
     for c0 in range(CH, F, CH):
-        best = _merge(best, tl.topk(_factor_keys(base, rmask, c0, OFF, F, CH), LM, dim=1),
-                      LM, ROWS)
+        best = _merge(best, _top(_factor_keys(base, rmask, c0, OFF, F, CH), LM), LM, ROWS)
     return best
 
 
@@ -190,8 +269,9 @@ def _factor_col(key):
 
 
 @triton.jit
-def _pair_keys(ps, fkey, c0, NP: tl.constexpr, M: tl.constexpr, KK: tl.constexpr,
-               B: tl.constexpr, LOG: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr):
+def _pair_keys(ps, fkey, c0, NP: tl.constexpr, LP: tl.constexpr, M: tl.constexpr,
+               LM: tl.constexpr, KK: tl.constexpr, B: tl.constexpr, LOG: tl.constexpr,
+               CH: tl.constexpr, ROWS: tl.constexpr):
     """Keys of candidates c0 .. c0 + CH - 1 of a stage: [ROWS, CH] int64, tie field
     65535 - (256 i + j); candidates that cannot be among the best KK get _MIN_KEY.
     Candidate c lies in region r = c // B at offset o = c % B: region 0 is (i, j) = (o, 0),
@@ -208,7 +288,7 @@ def _pair_keys(ps, fkey, c0, NP: tl.constexpr, M: tl.constexpr, KK: tl.constexpr
     j = tl.where(ok, j, 0)
     ii = tl.broadcast_to(i[None, :], (ROWS, CH))
     jj = tl.broadcast_to(j[None, :], (ROWS, CH))
-    s = tl.gather(ps, ii, 1) + _value(tl.gather(fkey, jj, 1))
+    s = _take(ps, ii, LP) + _value(_take(fkey, jj, LM))
     key = _pack(s, (65535 - (i * 256 + j))[None, :])
     return tl.where(ok[None, :], key, _MIN_KEY)
 
@@ -220,14 +300,14 @@ def _stage(ps, plin, fkey, F: tl.constexpr, NP: tl.constexpr, LP: tl.constexpr,
     """Best KK pairs of the previous list (scores ``ps``, slots ``plin``, [ROWS, LP], NP valid
     ranks) and factor keys ``fkey`` ([ROWS, LM], M valid ranks): [ROWS, B] scores and slots
     in rank order, the first KK valid. The (LOG + 1) * B candidates go in chunks of CH."""
-    best = tl.topk(_pair_keys(ps, fkey, 0, NP, M, KK, B, LOG, CH, ROWS), B, dim=1)
+    best = _top(_pair_keys(ps, fkey, 0, NP, LP, M, LM, KK, B, LOG, CH, ROWS), B)
     for c0 in range(CH, (LOG + 1) * B, CH):
-        best = _merge(best, tl.topk(_pair_keys(ps, fkey, c0, NP, M, KK, B, LOG, CH, ROWS), B,
-                                    dim=1), B, ROWS)
+        keys = _pair_keys(ps, fkey, c0, NP, LP, M, LM, KK, B, LOG, CH, ROWS)
+        best = _merge(best, _top(keys, B), B, ROWS)
     tie = 65535 - _tie(best)
     ti = tl.minimum(tie >> 8, LP - 1)
     tj = tl.minimum(tie & 255, LM - 1)
-    lin = tl.gather(plin, ti, 1) * F + _factor_col(tl.gather(fkey, tj, 1)).to(tl.int64)
+    lin = _take(plin, ti, LP) * F + _factor_col(_take(fkey, tj, LM)).to(tl.int64)
     return _value(best), lin
 
 
@@ -272,7 +352,7 @@ def _product_key_topk_fwd(
     skey = tl.where(keep[None, :], (lin << 8) | pos[None, :].to(tl.int64), _MAX_KEY)
     skey = tl.sort(skey, dim=1)
     p = tl.minimum((skey & 255).to(tl.int32), LF - 1)
-    val = tl.gather(score, p, 1)
+    val = _take(score, p, LF)
     out = row[:, None] * KK + pos[None, :]
     smask = rmask[:, None] & keep[None, :]
     tl.store(lin_ptr + out, skey >> 8, mask=smask)
@@ -283,7 +363,9 @@ def _fwd_config(factors: list[int], k: int) -> dict:
     """Constexprs and launch options of ``_product_key_topk_fwd``, a function of factors and k
     alone. ROWS fills a block of about _FWD_BLOCK elements of the widest per-row tensor; the
     warp count is capped so that every ``tl.gather`` source has whole rows per warp (Triton
-    lowers a gather warp-locally and asserts it can)."""
+    lowers a gather warp-locally and asserts it can); lists of at most _SELECT_WIDTH entries
+    are read by selects (``_take``) and do not count, so that a narrow factor (1 to 4 columns)
+    or a small k does not leave a program of wide chunks with one warp."""
     meta = {}
     widest, narrowest = 1, 32
     for f in range(4):
@@ -293,7 +375,7 @@ def _fwd_config(factors: list[int], k: int) -> dict:
         meta.update({f"F{f}": width, f"M{f}": m, f"LM{f}": _pow2(m), f"CF{f}": chunk})
         if f < len(factors):
             widest = max(widest, chunk)
-            if len(factors) > 1:
+            if len(factors) > 1 and _pow2(m) > _SELECT_WIDTH:
                 narrowest = min(narrowest, _pow2(m))
     kept = meta["M0"]
     for f in range(1, 4):
@@ -304,9 +386,11 @@ def _fwd_config(factors: list[int], k: int) -> dict:
         meta.update({f"KK{f}": kept, f"B{f}": b, f"LOG{f}": _log2(b), f"CS{f}": chunk})
         if f < len(factors):
             widest = max(widest, chunk)
-            narrowest = min(narrowest, b)
+            if b > _SELECT_WIDTH:
+                narrowest = min(narrowest, b)
     kk = min(k, math.prod(factors))
-    narrowest = min(narrowest, _pow2(kk))
+    if _pow2(kk) > _SELECT_WIDTH:
+        narrowest = min(narrowest, _pow2(kk))
     rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // widest))
     warps = max(1, min(_FWD_WARPS, rows * narrowest // 32))
     meta.update(NF=len(factors), KK=kk, LF=_pow2(kk), W=sum(factors), ROWS=rows,
