@@ -154,6 +154,10 @@ def _launches():
         for dtype in (torch.float32, torch.bfloat16):
             raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
             sdm_ops.product_key_topk(raw, (4, 5, 3), 7).val.sum().backward()
+            # A factor merged chunk by chunk (three chunks) with a short list.
+            with torch.no_grad():
+                sdm_ops.product_key_topk(torch.randn(2, 1100 + 2, dtype=dtype,
+                                                     device=KERNEL_DEVICE), (1100, 2), 3)
         A, QK = torch.randn(2, 2, 40, 40, device=KERNEL_DEVICE).unbind(0)
         beta = torch.rand(2, 40, device=KERNEL_DEVICE, requires_grad=True)
         X, QX = sdm_ops.wy_solve(A.requires_grad_(), beta, QK.requires_grad_())

@@ -230,8 +230,22 @@ def _top(keys, L: tl.constexpr):
 
 @triton.jit
 def _merge(best, new, L: tl.constexpr, ROWS: tl.constexpr):
-    """The best L keys of two [ROWS, L] key sets, best first."""
-    return _top(tl.reshape(tl.join(best, new), (ROWS, 2 * L)), L)
+    """The best L keys of two [ROWS, L] key sets, best first. Lists that ``_top`` takes by
+    rounds of a maximum are merged the same way, each round over both sets, without joining
+    them (on a chunked factor, Triton 3.6 and 3.7 fail to lay out the joined set's rounds
+    for sm_90)."""
+    if (L > _ITER32) or (best.dtype == tl.int64 and L > _ITER64):
+        return tl.topk(tl.reshape(tl.join(best, new), (ROWS, 2 * L)), L, dim=1)
+    else:
+        pos = tl.arange(0, L)[None, :]
+        floor = tl.minimum(tl.min(best, axis=1), tl.min(new, axis=1))[:, None]
+        out = tl.broadcast_to(floor, (ROWS, L))
+        for i in tl.static_range(L):
+            top = tl.maximum(tl.max(best, axis=1), tl.max(new, axis=1))[:, None]
+            out = tl.where(pos == i, top, out)
+            best = tl.where(best == top, floor, best)
+            new = tl.where(new == top, floor, new)
+        return out
 
 
 @triton.jit
