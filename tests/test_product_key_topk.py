@@ -165,6 +165,18 @@ def test_forward_wide_factors_and_large_k(factors, k):
     assert_same_topk(make_raw((1,), factors, torch.float32, seed=k), factors, k)
 
 
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k", [3, 16])
+def test_forward_chunked_factor_merges_short_lists(dtype, k):
+    """A factor of three chunks whose short top lists (taken by rounds of a maximum) are
+    merged chunk by chunk, with ties across chunks: int64 keys (float32 rows) and int32
+    (bfloat16), past and within the rounds' cut-offs."""
+    factors = (1100, 2)
+    for kind in ("randn", "ties"):
+        assert_same_topk(make_raw((3,), factors, dtype, kind=kind, seed=k), factors, k)
+
+
 @requires_cuda
 @pytest.mark.parametrize("factors,k", [((4096,), 256), ((4096, 4096), 256), ((4096, 3), 256),
                                        ((16, 16, 16, 16), 256), ((4096, 2, 4096, 1), 100),
