@@ -20,10 +20,11 @@ Algorithm (forward), per row, all in registers:
    where ``key32`` is an order-preserving signed int32 of the float (NaN -> key of -inf,
    -0 -> +0) and ``flags`` remember NaN and -0 so the exact value decodes back (bfloat16 rows:
    int32 keys ``key32(x) >> 16 << 16 | (4095 - c) << 2 | flags``, a widened bfloat16's
-   ``key32`` being fixed by its high half). Keys are
-   unique, so the top list of them (``_top``: ``tl.topk``, or for short lists rounds of a
-   row maximum) is exactly the factor's best m_f = min(k, factors[f]) columns, in rank order. Factors wider than a chunk (CF columns, at most _FWD_CHUNK) are
-   taken chunk by chunk, the running best list merged with each chunk's (``_merge``).
+   ``key32`` being fixed by its high half). Keys are unique, so the top list of them
+   (``_top``: ``tl.topk``, or for short lists rounds of a row maximum) is exactly the
+   factor's best m_f = min(k, factors[f]) columns, in rank order. Factors wider than a chunk
+   (CF columns, at most _FWD_CHUNK) are taken chunk by chunk, the running best list merged
+   with each chunk's (``_merge``).
 2. Stage f = 1..F-1 combines the previous list (n ranks, in order) with factor f's list
    (m ranks): candidate (i, j) scores ``prev[i] + x_f[j]`` (float32, in this order). Only
    pairs with ``(i + 1) * (j + 1) <= kk_f``, kk_f = min(k, n * m), can be among the best
