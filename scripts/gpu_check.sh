@@ -29,6 +29,10 @@
 #                  e61b4fd): tests-a and
 #                  tests-b are PART=tests (tests-b without the top-k cases: 172 s at 6635231,
 #                  155 s at 6c2eb13; with them not yet timed)
+#   topk           every test that launches the product-key top-k kernel (its own file, nn,
+#                  properties, validation, opcheck, and compile_tests' ops, layer and CUDA-graph
+#                  files), the widest cases beside as in tests-b (one H200: at e0db02f, by hand,
+#                  422 passed in about 400 s with the widest 6 in 169 s beside)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
 #                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
 #                  run with --addressing reached only its second addressing row in 370 s, so
@@ -90,14 +94,18 @@ case "$PART" in
     tests) targets=(tests --deselect tests/test_opcheck.py) ;;
     tests-a) targets=("${tests_a[@]}" --deselect "$widest") ;;
     tests-b) targets=(tests --ignore=tests/test_opcheck.py "${tests_a[@]/#/--ignore=}") ;;
+    topk) targets=(tests/test_product_key_topk.py --deselect "$widest" tests/test_nn.py
+                   tests/test_properties.py tests/test_validation.py tests/test_opcheck.py
+                   compile_tests/test_compile_ops.py compile_tests/test_compile_layer.py
+                   compile_tests/test_cuda_graphs_layer.py) ;;
     bench|ab) targets=() ;;
-    *) echo "unknown PART=$PART (all, suite, compile, tests, tests-a, tests-b, bench, ab)"; exit 2 ;;
+    *) echo "unknown PART=$PART (all, suite, compile, tests, tests-a, tests-b, topk, bench, ab)"; exit 2 ;;
 esac
 if [ "${#targets[@]}" -gt 0 ]; then
     # pytest-xdist spreads the suite (compiles dominate) over the machine's cores.
     workers=${WORKERS:-$(( $(nproc) > 30 ? 28 : $(nproc) - 1 ))}
     beside=""
-    if [ "$PART" = tests-b ]; then
+    if [ "$PART" = tests-b ] || [ "$PART" = topk ]; then
         # The widest top-k cases, one worker each, beside the rest from the start.
         timeout "${PYTEST_TIMEOUT:-420}" python3 -m pytest -v -n 6 -p no:cacheprovider -rfEs \
             --durations=6 "$widest" >"$OUT/pytest-widest.log" 2>&1 &
