@@ -1,6 +1,6 @@
 """Sweep launch configurations of the product-key top-k forward (``_product_key_topk_fwd``)
-around the pinned one of ``_fwd_config(factors, k)``: rows per program, warps and factor chunk
-widths.
+around the pinned one of ``_fwd_config(factors, k, itemsize)``: rows per program, warps and
+factor chunk widths.
 
 For each k the variants are the pinned configuration with ROWS in {1, 2, 4, 8, 16, 32},
 num_warps in {1, 2, 4, 8} and the chunk width CF of every factor in {64, 128, 256, 512} (one
@@ -68,7 +68,7 @@ def max_warps(factors: list[int], k: int, rows: int) -> int:
     ``_fwd_config`` gives with ROWS pinned to ``rows`` and no other limit on the warps."""
     with mock.patch.multiple(product_key_topk, _FWD_MAX_ROWS=rows, _FWD_BLOCK=1 << 30,
                              _FWD_WARPS=1 << 10):
-        return _fwd_config(list(factors), k)["num_warps"]
+        return _fwd_config(list(factors), k, 1)["num_warps"]   # itemsize 1: no load rule
 
 
 def per_thread(meta: dict) -> int:
@@ -91,10 +91,10 @@ def valid(meta: dict, warp_cap: int) -> bool:
     return all(meta[f"CF{f}"] >= meta[f"LM{f}"] for f in range(nf))
 
 
-def variants(factors: list[int], k: int) -> tuple[dict, list[dict]]:
+def variants(factors: list[int], k: int, itemsize: int) -> tuple[dict, list[dict]]:
     """The pinned configuration and the valid variants (ROWS, then warps, then CF ascending),
     the pinned one among them (appended if the grid lacks it)."""
-    base = _fwd_config(list(factors), k)
+    base = _fwd_config(list(factors), k, itemsize)
     caps = [_pow2(width) for width in factors]
     widths = sorted({min(chunk, max(caps)) for chunk in CHUNK_OPTIONS})
     caps_by_rows = {rows: max_warps(factors, k, rows) for rows in ROWS_OPTIONS}
@@ -210,7 +210,7 @@ def sweep_cuda(args, factors: list[int], ks: list[int], dtype: torch.dtype) -> N
     from sdm_ops.bench_topk import copy_bandwidth
 
     device = torch.cuda.current_device()
-    plans = {k: variants(factors, k) for k in ks}
+    plans = {k: variants(factors, k, dtype.itemsize) for k in ks}
     print(f"{torch.cuda.get_device_name(device)}: {args.rows} rows, factors {tuple(factors)}, "
           f"{args.dtype}; torch {torch.__version__}, triton {triton.__version__}; "
           f"TRITON_CACHE_DIR {os.environ.get('TRITON_CACHE_DIR', '(default)')}")
@@ -287,7 +287,7 @@ def smoke(args, factors: list[int], ks: list[int], dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     raw = torch.randn(args.rows, sum(factors), dtype=dtype)
     for k in ks:
-        base, metas = variants(factors, k)
+        base, metas = variants(factors, k, dtype.itemsize)
         picked = [m for m in metas if m != base][:SMOKE_VARIANTS] + [base]
         print(f"k = {k}: pinned {describe(base)}; {len(metas)} variants on a GPU, "
               f"{len(picked)} here", flush=True)

@@ -151,7 +151,7 @@ def test_forward_zero_rows(shape):
 def test_forward_rows_not_a_multiple_of_the_block():
     """Programs own several rows; the last program's rows past n are masked."""
     factors = (4, 4)
-    block = kern._fwd_config(list(factors), 4)["ROWS"]
+    block = kern._fwd_config(list(factors), 4, 4)["ROWS"]
     assert block > 1
     assert_same_topk(make_raw((3 * block + 1,), factors, torch.float32, seed=3), factors, 4)
 

@@ -79,6 +79,8 @@ _FWD_BLOCK = 2048
 _FWD_CHUNK = 512
 _FWD_MAX_ROWS = 16
 _FWD_WARPS = 4
+# Bytes of a row one warp loads (32 threads of 16 bytes).
+_WARP_LOAD_BYTES = 512
 _BWD_COLS = 256
 _BWD_BLOCK = 2048
 _BWD_MAX_ROWS = 16
@@ -374,15 +376,20 @@ def _product_key_topk_fwd(
     tl.store(val_ptr + out, _to_dtype(val, val_ptr.dtype.element_ty), mask=smask)
 
 
-def _fwd_config(factors: list[int], k: int) -> dict:
-    """Constexprs and launch options of ``_product_key_topk_fwd``, a function of factors and k
-    alone. ROWS fills a block of about _FWD_BLOCK elements of the widest per-row tensor; the
-    warp count is capped so that every ``tl.gather`` source has whole rows per warp (Triton
-    lowers a gather warp-locally and asserts it can); lists of at most _SELECT_WIDTH entries
-    are read by selects (``_take``) and do not count, so that a narrow factor (1 to 4 columns)
-    or a small k does not leave a program of wide chunks with one warp."""
+def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
+    """Constexprs and launch options of ``_product_key_topk_fwd``, a function of factors, k
+    and the rows' element size alone. ROWS fills a block of about _FWD_BLOCK elements of the
+    widest per-row tensor; the warp count is capped so that every ``tl.gather`` source has
+    whole rows per warp (Triton lowers a gather warp-locally and asserts it can); lists of at
+    most _SELECT_WIDTH entries are read by selects (``_take``) and do not count, so that a
+    narrow factor (1 to 4 columns) or a small k does not leave a program of wide chunks with
+    one warp. A factor chunk wider than one warp's loads (_WARP_LOAD_BYTES: Triton gives a
+    thread 16 contiguous bytes, then spreads the rest of the row over the warps) would split
+    each row's rounds and sorts across warps, through shared memory and barriers, so such a
+    program gets one warp and half the rows (ptxas: float32 (256, 256) at k = 8, 254
+    registers with 8 rows on 2 warps, 137 with 4 on one)."""
     meta = {}
-    widest, narrowest = 1, 32
+    widest, narrowest, widest_factor = 1, 32, 1
     for f in range(4):
         width = factors[f] if f < len(factors) else 1
         m = min(k, width)
@@ -390,6 +397,7 @@ def _fwd_config(factors: list[int], k: int) -> dict:
         meta.update({f"F{f}": width, f"M{f}": m, f"LM{f}": _pow2(m), f"CF{f}": chunk})
         if f < len(factors):
             widest = max(widest, chunk)
+            widest_factor = max(widest_factor, chunk)
             if len(factors) > 1 and _pow2(m) > _SELECT_WIDTH:
                 narrowest = min(narrowest, _pow2(m))
     kept = meta["M0"]
@@ -408,6 +416,8 @@ def _fwd_config(factors: list[int], k: int) -> dict:
         narrowest = min(narrowest, _pow2(kk))
     rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // widest))
     warps = max(1, min(_FWD_WARPS, rows * narrowest // 32))
+    if widest_factor * itemsize > _WARP_LOAD_BYTES:
+        rows, warps = max(1, rows // 2), 1
     meta.update(NF=len(factors), KK=kk, LF=_pow2(kk), W=sum(factors), ROWS=rows,
                 num_warps=warps)
     return meta
@@ -420,7 +430,7 @@ def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: to
     n = rows.shape[0]
     if n == 0:
         return
-    meta = _fwd_config(list(factors), k)
+    meta = _fwd_config(list(factors), k, rows.element_size())
     grid = (triton.cdiv(n, meta["ROWS"]),)
     wrap_triton(_product_key_topk_fwd)[grid](rows, val, lin, n, **meta)
 
