@@ -96,9 +96,10 @@ _MAX_KEY = tl.constexpr(2**63 - 1)
 # Below every int32 factor key of a bfloat16 row (their high half is at least that of -inf).
 _MIN_KEY32 = tl.constexpr(-(2**31))
 # Top lists of at most this many int32 / int64 keys are taken by rounds of a maximum (``_top``),
-# longer ones by ``tl.topk``'s sorting network (the cut-offs where the rounds compile to fewer
-# instructions at factors (256, 256)).
-_ITER32 = tl.constexpr(16)
+# longer ones by ``tl.topk``'s sorting network (int64: the cut-off where the rounds compile to
+# fewer instructions at factors (256, 256); int32: where they also take fewer shuffles, which
+# cost the GPU more than other instructions, PERF_NOTES 47).
+_ITER32 = tl.constexpr(32)
 _ITER64 = tl.constexpr(8)
 
 
