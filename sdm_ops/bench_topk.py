@@ -1,10 +1,11 @@
 """Benchmark of ``product_key_topk`` on CUDA: ``python -m sdm_ops.bench_topk``.
 
-262144 rows of bfloat16 raw scores, factors (256, 256), k in {8, 32}. Times (median of many
-runs, ``triton.testing.do_bench``) of the forward, the forward plus backward, and the brute
-force (all 65536 sums of a row materialized in float32, chunk of rows by chunk, then
-``torch.topk``), each against the floor: the bytes of raw read once at the copy bandwidth
-measured in the same run (a device-to-device copy, read plus write bytes over its time).
+262144 rows of raw scores, factors (256, 256), k in {8, 32}, bfloat16 then float32 rows. Times
+(median of many runs, ``triton.testing.do_bench``) of the forward, the forward plus backward,
+and, for bfloat16 rows, the brute force (all 65536 sums of a row materialized in float32, chunk
+of rows by chunk, then ``torch.topk``), each against its rows' floor: the bytes of raw read
+once at the copy bandwidth measured in the same run (a device-to-device copy, read plus write
+bytes over its time).
 Without CUDA it says so and exits 0.
 """
 
@@ -45,31 +46,35 @@ def main() -> int:
         return 0
     import sdm_ops
 
-    torch.manual_seed(0)
-    raw = torch.randn(ROWS, sum(FACTORS), device="cuda", dtype=torch.bfloat16)
     bandwidth = copy_bandwidth()
-    floor = raw.numel() * raw.element_size() / bandwidth
-    print(f"{torch.cuda.get_device_name()}: {ROWS} rows, factors {FACTORS}, bfloat16; "
-          f"copy bandwidth {bandwidth / 1e6:.0f} GB/s, floor (raw read once) {floor * 1e3:.1f} us")
-    print(f"{'what':<22}{'k':>4}{'ms':>10}{'x floor':>10}")
+    print(f"{torch.cuda.get_device_name()}: {ROWS} rows, factors {FACTORS}; copy bandwidth "
+          f"{bandwidth / 1e6:.0f} GB/s; floor: raw read once")
+    print(f"{'rows':<10}{'what':<22}{'k':>4}{'ms':>10}{'x floor':>10}")
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(0)
+        raw = torch.randn(ROWS, sum(FACTORS), device="cuda", dtype=dtype)
+        floor = raw.numel() * raw.element_size() / bandwidth
+        name = str(dtype).removeprefix("torch.")
 
-    def row(what, k, ms):
-        print(f"{what:<22}{k:>4}{ms:>10.3f}{ms / floor:>10.1f}")
+        def row(what, k, ms):
+            print(f"{name:<10}{what:<22}{k:>4}{ms:>10.3f}{ms / floor:>10.1f}")
 
-    x = raw.detach().requires_grad_(True)
-    for k in KS:
-        grad_val = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+        x = raw.detach().requires_grad_(True)
+        for k in KS:
+            grad_val = torch.randn(ROWS, k, device="cuda", dtype=dtype)
 
-        def forward():
-            sdm_ops.product_key_topk(raw, FACTORS, k)
+            def forward():
+                sdm_ops.product_key_topk(raw, FACTORS, k)
 
-        def forward_backward():
-            val, _ = sdm_ops.product_key_topk(x, FACTORS, k)
-            torch.autograd.grad(val, x, grad_val)
+            def forward_backward():
+                val, _ = sdm_ops.product_key_topk(x, FACTORS, k)
+                torch.autograd.grad(val, x, grad_val)
 
-        row("forward", k, _bench(forward))
-        row("forward + backward", k, _bench(forward_backward))
-        row("brute force", k, _bench(lambda: brute_force(raw, k), rep_ms=1000))
+            row("forward", k, _bench(forward))
+            row("forward + backward", k, _bench(forward_backward))
+            if dtype == torch.bfloat16:
+                row("brute force", k, _bench(lambda: brute_force(raw, k), rep_ms=1000))
+        print(f"{name:<10}floor {floor * 1e3:.1f} us")
     return 0
 
 
