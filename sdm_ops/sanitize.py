@@ -369,7 +369,11 @@ def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
     return run
 
 
-TOPK_CONFIGS = (((4, 8), 3), ((3, 5, 2), 7), ((2, 3, 2, 2), 5), ((16,), 4), ((2, 3), 8))
+# The last two: factors wider than one warp's loads (float32 over 128 columns, bfloat16 over
+# 256), whose programs take one warp and half the rows (6 rows here: the last program partly
+# masked), and a factor of two 512-column chunks.
+TOPK_CONFIGS = (((4, 8), 3), ((3, 5, 2), 7), ((2, 3, 2, 2), 5), ((16,), 4), ((2, 3), 8),
+                ((256, 256), 8), ((1024, 4), 16))
 
 
 def make_raw(factors: tuple[int, ...], dtype: torch.dtype, special: bool, seed: int) -> Tensor:
