@@ -64,6 +64,7 @@ adds in a fixed order, with no atomics; its float32 sums are those of the refere
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -424,6 +425,13 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
     return meta
 
 
+@functools.lru_cache(maxsize=None)
+def _launch_config(factors: tuple[int, ...], k: int, itemsize: int) -> dict:
+    """``_fwd_config`` computed once per (factors, k, itemsize) for the launcher (about 10 us of
+    Python a call otherwise); the dict is shared, so callers only read it."""
+    return _fwd_config(list(factors), k, itemsize)
+
+
 def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: torch.Tensor,
                          lin: torch.Tensor) -> None:
     """val, lin [n, kk] <- the exact top-kk slots of each row of ``rows`` [n, sum(factors)]
@@ -431,7 +439,7 @@ def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: to
     n = rows.shape[0]
     if n == 0:
         return
-    meta = _fwd_config(list(factors), k, rows.element_size())
+    meta = _launch_config(tuple(factors), k, rows.element_size())
     grid = (triton.cdiv(n, meta["ROWS"]),)
     wrap_triton(_product_key_topk_fwd)[grid](rows, val, lin, n, **meta)
 
