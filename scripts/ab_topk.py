@@ -5,7 +5,8 @@ the ``sdm_ops`` package, each run in a fresh process from its own directory).
 For each variant, each case (factors and k; by default those of ``sdm_ops.bench_topk``,
 (256, 256) at k = 8 and 32) and each raw dtype (bfloat16, float32) this times
 ``sdm_ops.product_key_topk`` without autograd on 262144 rows of ``torch.randn`` (seed 0;
-median of 20 calls, after a first call that compiles, whose wall time it prints too), and
+median of 20 calls, after a first call that compiles, whose wall time it prints too) and
+replayed from a CUDA graph of ten calls (the kernels' time without the host's dispatch), and
 keeps a SHA-1 of the returned val and lin; then it says, per case, whether every variant
 returned the same bits as the first. Usage: ``python scripts/ab_topk.py .ab/base .ab/new
 [--rounds 2] [--cases 256,256:8 256,256:32 4096,3:256] [--rows 262144]``.
@@ -36,11 +37,15 @@ for case in sys.argv[3:]:
         first_s = time.perf_counter() - t0
         with torch.no_grad():
             ms = bench._time_ms(lambda: sdm_ops.product_key_topk(raw, factors, k))
+            # Ten calls replayed from a CUDA graph: the kernel's time without the host's.
+            graph = bench._captured(
+                lambda: [sdm_ops.product_key_topk(raw, factors, k) for _ in range(10)])
+            replayed = bench._time_ms(graph.replay, reps=10) / 10
         digest = hashlib.sha1()
         for t in (val, lin):
             digest.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
         results[(case, str(dtype).removeprefix("torch."))] = {
-            "ms": ms, "first_s": first_s, "sha": digest.hexdigest()}
+            "ms": ms, "replayed": replayed, "first_s": first_s, "sha": digest.hexdigest()}
 torch.save(results, path)
 """
 
@@ -52,14 +57,15 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=262144)
     args = p.parse_args()
     results = {}
-    print(f"product_key_topk forward, {args.rows} rows, ms (median of 20) and the first "
-          "call's wall seconds (compiling)")
-    print(f"{'variant':<24}{'case':>16}{'dtype':>10}{'ms':>9}{'first s':>9}  sha1")
+    print(f"product_key_topk forward, {args.rows} rows: ms a call eager (CUDA events, median of"
+          " 20, the host's dispatch included) and replayed (a CUDA graph of 10 calls, median of"
+          " 10 replays), and the first call's wall seconds (compiling)")
+    print(f"{'variant':<24}{'case':>16}{'dtype':>10}{'ms':>9}{'replayed':>10}{'first s':>9}  sha1")
     for v, got in each_run(args.variants, args.rounds, _WORKER, [str(args.rows), *args.cases]):
         results.setdefault(v, got)
         for (case, dtype), res in got.items():
-            print(f"{v:<24}{case:>16}{dtype:>10}{res['ms']:>9.3f}{res['first_s']:>9.1f}  "
-                  f"{res['sha'][:12]}", flush=True)
+            print(f"{v:<24}{case:>16}{dtype:>10}{res['ms']:>9.3f}{res['replayed']:>10.3f}"
+                  f"{res['first_s']:>9.1f}  {res['sha'][:12]}", flush=True)
     first = results[args.variants[0]]
     for v in args.variants[1:]:
         for key, res in first.items():
