@@ -160,12 +160,14 @@ def test_forward_rows_not_a_multiple_of_the_block():
 @pytest.mark.parametrize("dtype,factors", [(torch.float32, (256, 256)),
                                            (torch.bfloat16, (512, 3))], ids=str)
 def test_forward_factors_wider_than_a_warps_loads(dtype, factors):
-    """A factor chunk wider than one warp's loads (512 bytes) runs on one warp with half the
-    rows of a program; rows not a multiple of those, so the last program is partly masked,
-    with random and tied scores, within and past the rounds' cut-off."""
+    """A factor chunk wider than one warp's loads (512 bytes) runs on one warp with at most
+    2048 bytes of rows a program; rows not a multiple of those, so the last program is partly
+    masked, with random and tied scores, within and past the rounds' cut-off."""
     meta = kern._fwd_config(list(factors), 8, dtype.itemsize)
     narrow = kern._fwd_config(list(factors), 8, 1)   # itemsize 1: no row is that wide
-    assert meta["num_warps"] == 1 and meta["ROWS"] == max(1, narrow["ROWS"] // 2) > 1
+    chunk = min(max(factors), kern._FWD_CHUNK)
+    assert meta["num_warps"] == 1
+    assert 1 < meta["ROWS"] < narrow["ROWS"] and meta["ROWS"] * chunk * dtype.itemsize <= 2048
     n = 2 * meta["ROWS"] + 1
     for k, kind in ((8, "randn"), (20, "ties")):
         assert_same_topk(make_raw((n,), factors, dtype, kind=kind, seed=k), factors, k)

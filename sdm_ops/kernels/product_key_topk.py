@@ -80,8 +80,13 @@ _FWD_BLOCK = 2048
 _FWD_CHUNK = 512
 _FWD_MAX_ROWS = 16
 _FWD_WARPS = 4
-# Bytes of a row one warp loads (32 threads of 16 bytes).
+# Bytes of a row one warp loads (32 threads of 16 bytes); a program of one warp over rows wider
+# than that holds at most _WARP_ROW_BYTES of them (64 bytes a thread).
 _WARP_LOAD_BYTES = 512
+_WARP_ROW_BYTES = 2048
+# Elements of the widest merge stage (CS) a thread holds at most: a wide stage (k = 32 and more
+# at two factors) is sorted, and its rows are best one or two to a warp (PERF_NOTES 50).
+_STAGE_PER_THREAD = 8
 _BWD_COLS = 256
 _BWD_BLOCK = 2048
 _BWD_MAX_ROWS = 16
@@ -388,10 +393,12 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
     one warp. A factor chunk wider than one warp's loads (_WARP_LOAD_BYTES: Triton gives a
     thread 16 contiguous bytes, then spreads the rest of the row over the warps) would split
     each row's rounds and sorts across warps, through shared memory and barriers, so such a
-    program gets one warp and half the rows (ptxas: float32 (256, 256) at k = 8, 254
-    registers with 8 rows on 2 warps, 137 with 4 on one)."""
+    program gets one warp and at most _WARP_ROW_BYTES of rows (ptxas: float32 (256, 256) at
+    k = 8, 254 registers with 8 rows on 2 warps, 137 with 4 on one). Then rows are halved
+    until a thread holds at most _STAGE_PER_THREAD elements of the widest merge stage. The
+    last two rules come from a sweep on the H200 (PERF_NOTES 50)."""
     meta = {}
-    widest, narrowest, widest_factor = 1, 32, 1
+    widest, narrowest, widest_factor, widest_stage = 1, 32, 1, 1
     for f in range(4):
         width = factors[f] if f < len(factors) else 1
         m = min(k, width)
@@ -411,15 +418,24 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
         meta.update({f"KK{f}": kept, f"B{f}": b, f"LOG{f}": _log2(b), f"CS{f}": chunk})
         if f < len(factors):
             widest = max(widest, chunk)
+            widest_stage = max(widest_stage, chunk)
             if b > _SELECT_WIDTH:
                 narrowest = min(narrowest, b)
     kk = min(k, math.prod(factors))
     if _pow2(kk) > _SELECT_WIDTH:
         narrowest = min(narrowest, _pow2(kk))
+    one_warp = widest_factor * itemsize > _WARP_LOAD_BYTES
     rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // widest))
-    warps = max(1, min(_FWD_WARPS, rows * narrowest // 32))
-    if widest_factor * itemsize > _WARP_LOAD_BYTES:
-        rows, warps = max(1, rows // 2), 1
+    if one_warp:
+        rows = max(1, min(rows, _WARP_ROW_BYTES // (widest_factor * itemsize)))
+
+    def warps_for(rows: int) -> int:
+        return 1 if one_warp else max(1, min(_FWD_WARPS, rows * narrowest // 32))
+
+    warps = warps_for(rows)
+    while rows > 1 and rows * widest_stage > _STAGE_PER_THREAD * 32 * warps:
+        rows //= 2
+        warps = warps_for(rows)
     meta.update(NF=len(factors), KK=kk, LF=_pow2(kk), W=sum(factors), ROWS=rows,
                 num_warps=warps)
     return meta
