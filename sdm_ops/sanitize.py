@@ -370,8 +370,9 @@ def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
 
 
 # The last two: factors wider than one warp's loads (float32 over 128 columns, bfloat16 over
-# 256), whose programs take one warp and half the rows (6 rows here: the last program partly
-# masked), and a factor of two 512-column chunks.
+# 256), whose programs take one warp and at most 2048 bytes of rows (float32 (256, 256) at
+# k = 8: 2 rows a program since e64b3b8, so the 6 rows here fill three programs; bfloat16's
+# 8-row programs leave the last partly masked), and a factor of two 512-column chunks.
 TOPK_CONFIGS = (((4, 8), 3), ((3, 5, 2), 7), ((2, 3, 2, 2), 5), ((16,), 4), ((2, 3), 8),
                 ((256, 256), 8), ((1024, 4), 16))
 
