@@ -174,6 +174,22 @@ def test_forward_factors_wider_than_a_warps_loads(dtype, factors):
 
 
 @requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_wide_merge_stage_takes_fewer_rows_a_program(dtype):
+    """A merge stage as wide as the factor chunks (k = 32 over (256, 256): 256 candidate
+    pairs) leaves a thread at most 8 of its elements, so programs take fewer rows than at
+    k = 8 (one a warp); rows not a multiple of those, random and tied scores."""
+    factors = (256, 256)
+    meta = kern._fwd_config(list(factors), 32, dtype.itemsize)
+    small_k = kern._fwd_config(list(factors), 8, dtype.itemsize)
+    assert meta["CS1"] == 256 and meta["ROWS"] * 256 <= 8 * 32 * meta["num_warps"]
+    assert meta["ROWS"] < small_k["ROWS"] and meta["ROWS"] == meta["num_warps"]
+    n = 2 * meta["ROWS"] + 1
+    for kind in ("randn", "ties"):
+        assert_same_topk(make_raw((n,), factors, dtype, kind=kind, seed=32), factors, 32)
+
+
+@requires_kernels
 @pytest.mark.parametrize("factors,k", [((4096,), 16), ((600, 3), 40), ((64, 64), 256),
                                        ((16, 16, 16), 48), ((2, 4096), 3)], ids=str)
 def test_forward_wide_factors_and_large_k(factors, k):
