@@ -1,8 +1,8 @@
 """Benchmark of ``product_key_topk`` on CUDA: ``python -m sdm_ops.bench_topk``.
 
 262144 rows of raw scores, factors (256, 256), k in {8, 32}, bfloat16 then float32 rows. Times
-(median of many runs, ``triton.testing.do_bench``) of the forward, the forward plus backward,
-and, for bfloat16 rows, the brute force (all 65536 sums of a row materialized in float32, chunk
+(median of many runs, ``triton.testing.do_bench``) of the forward, the forward plus backward
+(eager, and replayed from a CUDA graph: without the host's dispatch of the autograd call), and, for bfloat16 rows, the brute force (all 65536 sums of a row materialized in float32, chunk
 of rows by chunk, then ``torch.topk``), each against its rows' floor: the bytes of raw read
 once at the copy bandwidth measured in the same run (a device-to-device copy, read plus write
 bytes over its time).
@@ -45,6 +45,7 @@ def main() -> int:
         print("sdm_ops.bench_topk needs a CUDA GPU; nothing to do here.")
         return 0
     import sdm_ops
+    from sdm_ops.bench import _captured
 
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: {ROWS} rows, factors {FACTORS}; copy bandwidth "
@@ -72,6 +73,7 @@ def main() -> int:
 
             row("forward", k, _bench(forward))
             row("forward + backward", k, _bench(forward_backward))
+            row("  replayed", k, _bench(_captured(forward_backward).replay))
             if dtype == torch.bfloat16:
                 row("brute force", k, _bench(lambda: brute_force(raw, k), rep_ms=1000))
         print(f"{name:<10}floor {floor * 1e3:.1f} us")
