@@ -67,7 +67,7 @@ def max_warps(factors: list[int], k: int, rows: int) -> int:
     """The launcher's own warp cap at ``rows`` rows a program (its gather rule): what
     ``_fwd_config`` gives with ROWS pinned to ``rows`` and no other limit on the warps."""
     with mock.patch.multiple(product_key_topk, _FWD_MAX_ROWS=rows, _FWD_BLOCK=1 << 30,
-                             _FWD_WARPS=1 << 10):
+                             _FWD_WARPS=1 << 10, _STAGE_PER_THREAD=1 << 30):
         return _fwd_config(list(factors), k, 1)["num_warps"]   # itemsize 1: no load rule
 
 

@@ -2,10 +2,11 @@
 
 262144 rows of raw scores, factors (256, 256), k in {8, 32}, bfloat16 then float32 rows. Times
 (median of many runs, ``triton.testing.do_bench``) of the forward, the forward plus backward
-(eager, and replayed from a CUDA graph: without the host's dispatch of the autograd call), and, for bfloat16 rows, the brute force (all 65536 sums of a row materialized in float32, chunk
-of rows by chunk, then ``torch.topk``), each against its rows' floor: the bytes of raw read
-once at the copy bandwidth measured in the same run (a device-to-device copy, read plus write
-bytes over its time).
+(eager, and replayed from a CUDA graph: without the host's dispatch of the autograd call),
+and, for bfloat16 rows, the brute force (all 65536 sums of a row materialized in float32,
+chunk of rows by chunk, then ``torch.topk``), each against its rows' floor: the bytes of raw
+read once at the copy bandwidth measured in the same run (a device-to-device copy, read plus
+write bytes over its time).
 Without CUDA it says so and exits 0.
 """
 

@@ -398,14 +398,13 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
     until a thread holds at most _STAGE_PER_THREAD elements of the widest merge stage. The
     last two rules come from a sweep on the H200 (PERF_NOTES 50)."""
     meta = {}
-    widest, narrowest, widest_factor, widest_stage = 1, 32, 1, 1
+    narrowest, widest_factor, widest_stage = 32, 1, 1
     for f in range(4):
         width = factors[f] if f < len(factors) else 1
         m = min(k, width)
         chunk = min(_pow2(width), _FWD_CHUNK)
         meta.update({f"F{f}": width, f"M{f}": m, f"LM{f}": _pow2(m), f"CF{f}": chunk})
         if f < len(factors):
-            widest = max(widest, chunk)
             widest_factor = max(widest_factor, chunk)
             if len(factors) > 1 and _pow2(m) > _SELECT_WIDTH:
                 narrowest = min(narrowest, _pow2(m))
@@ -417,7 +416,6 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
         chunk = min(_pow2((_log2(b) + 1) * b), max(b, _FWD_CHUNK))
         meta.update({f"KK{f}": kept, f"B{f}": b, f"LOG{f}": _log2(b), f"CS{f}": chunk})
         if f < len(factors):
-            widest = max(widest, chunk)
             widest_stage = max(widest_stage, chunk)
             if b > _SELECT_WIDTH:
                 narrowest = min(narrowest, b)
@@ -425,7 +423,7 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
     if _pow2(kk) > _SELECT_WIDTH:
         narrowest = min(narrowest, _pow2(kk))
     one_warp = widest_factor * itemsize > _WARP_LOAD_BYTES
-    rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // widest))
+    rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // max(widest_factor, widest_stage)))
     if one_warp:
         rows = max(1, min(rows, _WARP_ROW_BYTES // (widest_factor * itemsize)))
 
