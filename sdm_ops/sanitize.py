@@ -371,17 +371,19 @@ def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
 
 # The last two: factors wider than one warp's loads (float32 over 128 columns, bfloat16 over
 # 256), whose programs take one warp and at most 2048 bytes of rows (float32 (256, 256) at
-# k = 8: 2 rows a program since e64b3b8, so the 6 rows here fill three programs; bfloat16's
-# 8-row programs leave the last partly masked), and a factor of two 512-column chunks.
+# k = 8: 2 rows a program since e64b3b8; bfloat16's 8), and a factor of two 512-column chunks.
+# TOPK_LEAD's 7 rows leave the last program of every one of them partly masked but where a
+# program takes one row.
+TOPK_LEAD = (1, 7)
 TOPK_CONFIGS = (((4, 8), 3), ((3, 5, 2), 7), ((2, 3, 2, 2), 5), ((16,), 4), ((2, 3), 8),
                 ((256, 256), 8), ((1024, 4), 16))
 
 
 def make_raw(factors: tuple[int, ...], dtype: torch.dtype, special: bool, seed: int) -> Tensor:
-    """raw [2, 3, sum(factors)] on the CPU: normals, or small integers (many ties) with NaN,
-    +-inf and -0 sprinkled in."""
+    """raw [*TOPK_LEAD, sum(factors)] on the CPU: normals, or small integers (many ties) with
+    NaN, +-inf and -0 sprinkled in."""
     g = torch.Generator().manual_seed(seed)
-    size = (2, 3, sum(factors))
+    size = (*TOPK_LEAD, sum(factors))
     if not special:
         return torch.randn(size, generator=g).to(dtype)
     raw = torch.randint(0, 3, size, generator=g).to(F32)
@@ -395,7 +397,7 @@ def topk_case(factors: tuple[int, ...], k: int, dtype: torch.dtype, special: boo
     def run() -> str:
         raw = make_raw(factors, dtype, special, seed)
         kk = min(k, torch.Size(factors).numel())
-        grad_val = torch.randn(2, 3, kk, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        grad_val = torch.randn(*TOPK_LEAD, kk, generator=torch.Generator().manual_seed(seed)).to(dtype)
         leaf = raw.to(device).requires_grad_()
         with kernels(device):
             val, lin = product_key_topk(leaf, factors, k)
