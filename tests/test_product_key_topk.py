@@ -265,6 +265,65 @@ def test_backward_writes_every_element():
     assert torch.equal(grad.cpu(), expected)
 
 
+def guarded_grad(n, width, dtype, pad=37):
+    """A NaN buffer and grad [n, width], a view of it with ``pad`` NaN elements either side."""
+    buf = torch.full((n * width + 2 * pad,), math.nan, dtype=dtype, device=KERNEL_DEVICE)
+    return buf, buf[pad:pad + n * width].view(n, width)
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("factors,kk", [((256, 256), 8), ((256, 256), 32), ((300, 2), 40),
+                                        ((1024, 4), 16), ((6, 6), 9)], ids=str)
+def test_backward_over_several_programs(factors, kk, dtype):
+    """Two whole programs of rows and a partial third, in the form each factor takes (scatter
+    where it is wider than kk's power of two, dense otherwise): the reference's sums, every
+    element written, nothing written outside grad. The slots come from a small pool, so most
+    of a row's slots share a column of some factor."""
+    config = kern._bwd_config(list(factors), kk)
+    n = 2 * config["ROWS"] + 3
+    g = torch.Generator().manual_seed(kk)
+    pool = torch.randint(0, math.prod(factors), (kk + 3,), generator=g)
+    lin = pool[torch.rand(n, kk + 3, generator=g).argsort(-1)[:, :kk]]
+    grad_val = torch.randn(n, kk, generator=g).to(dtype)
+    buf, grad = guarded_grad(n, sum(factors), dtype)
+    with on_kernels():
+        kern.product_key_topk_bwd(lin.to(KERNEL_DEVICE), grad_val.to(KERNEL_DEVICE), factors,
+                                  grad)
+    expected = product_key_topk_backward_reference(lin, grad_val, tuple(factors)).to(dtype)
+    assert torch.equal(grad.cpu(), expected), \
+        f"max diff {(grad.cpu().float() - expected.float()).abs().max()}"
+    assert buf[:37].isnan().all() and buf[-37:].isnan().all(), "wrote outside grad"
+
+
+@requires_kernels
+@pytest.mark.parametrize("factors,kk", [((256, 256), 8), ((300, 2), 40), ((6, 6), 9)], ids=str)
+def test_backward_any_slots_stay_inside_grad(factors, kk):
+    """Slots no forward returns (negative, or past prod(factors)): each factor's column is
+    the kernel's C-style (lin / S_f) % F_f, a negative one selecting nothing, in the scatter
+    and the dense forms alike; nothing is written outside grad."""
+    n, width = 2 * kern._bwd_config(list(factors), kk)["ROWS"] + 1, sum(factors)
+    g = torch.Generator().manual_seed(3)
+    top = math.prod(factors)
+    lin = torch.randint(-2 * top, 2 * top, (n, kk), generator=g)
+    grad_val = torch.randn(n, kk, generator=g)
+    buf, grad = guarded_grad(n, width, torch.float32)
+    with on_kernels():
+        kern.product_key_topk_bwd(lin.to(KERNEL_DEVICE), grad_val.to(KERNEL_DEVICE), factors,
+                                  grad)
+    expected = torch.zeros(n, width)
+    offset = 0
+    for f, width_f in enumerate(factors):
+        col = torch.fmod(torch.div(lin, math.prod(factors[f + 1:]), rounding_mode="trunc"),
+                         width_f)
+        keep = col >= 0
+        expected[:, offset:offset + width_f].scatter_add_(
+            1, torch.where(keep, col, 0), torch.where(keep, grad_val, 0.0))
+        offset += width_f
+    assert torch.equal(grad.cpu(), expected), f"max diff {(grad.cpu() - expected).abs().max()}"
+    assert buf[:37].isnan().all() and buf[-37:].isnan().all(), "wrote outside grad"
+
+
 @requires_cuda
 def test_backward_deterministic_on_cuda():
     factors, k = (256, 256), 256

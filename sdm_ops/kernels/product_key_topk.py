@@ -40,10 +40,16 @@ Algorithm (forward), per row, all in registers:
    position. ``val`` is rounded to bfloat16 on the bits (round to nearest even), the same
    on the GPU and under the interpreter.
 
-Backward: for each factor f and each block of its columns, a register accumulator walks the
-row's kk selected slots in order (j = 0, 1, ..) adding ``grad_val[j]`` (as float32) where the
-slot's column ``(lin // prod(factors[f+1:])) % factors[f]`` matches, then rounds once to the
-gradient dtype at the store. Every column is written (zero where no slot selects it).
+Backward: the gradient of factor f's column c is the float32 sum, in slot order (j = 0, 1,
+..) from +0, of ``grad_val[j]`` over the row's kk slots whose column ``(lin //
+prod(factors[f+1:])) % factors[f]`` is c, rounded once to the gradient dtype at the store.
+A factor no wider than KP = next_pow2(kk) is done dense: a [ROWS, columns] register
+accumulator walks the slots, and every column is stored. A wider one is scattered: the
+accumulator is [ROWS, KP], entry i summing the slots that share slot i's column, and it is
+stored at those columns (slots sharing a column store the same value), kk x KP compares a
+row instead of kk x factors[f] (at (256, 256) and kk = 8, a 32nd). Where any factor is
+scattered the program first zeroes its rows of grad and passes a barrier, so that the
+columns no slot selects are zero and the sums land after the zeros.
 
 Layouts (all contiguous, row-major): ``rows`` [n, W] with W = sum(factors), float32 or
 bfloat16; ``val`` [n, kk] in the row dtype; ``lin`` [n, kk] int64; ``grad_val`` [n, kk] float32
@@ -57,9 +63,9 @@ gather source's rows whole within a warp, which Triton's gather lowering require
 most 4 entries are read by selects instead, so they do not bound it.
 
 Determinism: the forward is a pure function of the row (integer keys with no two equal, so no
-ordering choice is left to the sort). The backward has one writer per gradient element and
-adds in a fixed order, with no atomics; its float32 sums are those of the reference
-(sequential in slot order, from +0).
+ordering choice is left to the sort). The backward adds in a fixed order, with no atomics;
+every writer of a gradient element after the zeros stores the same value, and its float32
+sums are those of the reference (sequential in slot order, from +0).
 """
 
 from __future__ import annotations
@@ -74,8 +80,9 @@ from torch.library import wrap_triton
 
 # Pinned launch geometry. Forward: factor columns and stage candidates go in chunks of at
 # most _FWD_CHUNK; rows per program such that the widest chunk times ROWS is about
-# _FWD_BLOCK; at most _FWD_WARPS warps. Backward: accumulator blocks of at most _BWD_COLS
-# columns, rows per program such that a block holds about _BWD_BLOCK elements.
+# _FWD_BLOCK; at most _FWD_WARPS warps. Backward: dense accumulator blocks of at most
+# _BWD_COLS columns, rows per program (at most _BWD_MAX_ROWS) such that the widest accumulator
+# holds about _BWD_BLOCK elements; the zeroing stores _BWD_BLOCK elements at a time.
 _FWD_BLOCK = 2048
 _FWD_CHUNK = 512
 _FWD_MAX_ROWS = 16
@@ -89,7 +96,7 @@ _WARP_ROW_BYTES = 2048
 _STAGE_PER_THREAD = 8
 _BWD_COLS = 256
 _BWD_BLOCK = 2048
-_BWD_MAX_ROWS = 16
+_BWD_MAX_ROWS = 128
 _BWD_WARPS = 4
 # Lists of at most this many entries are read by selects (``_take``) rather than ``tl.gather``,
 # so that they do not bound the warp count.
@@ -465,7 +472,8 @@ def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: to
 @triton.jit
 def _factor_grad(lin_row, g_row, out_row, rmask, KK: tl.constexpr, F: tl.constexpr,
                  STRIDE: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr):
-    """out_row[:, c] = sum over slots j (in order) with column c of this factor of g[:, j]."""
+    """Dense form: out_row[:, c] = sum over slots j (in order) with column c of this factor of
+    g[:, j], for every column c, in blocks of BC columns."""
     for c0 in range(0, F, BC):
         col = c0 + tl.arange(0, BC)
         acc = tl.zeros((ROWS, BC), tl.float32)
@@ -479,31 +487,105 @@ def _factor_grad(lin_row, g_row, out_row, rmask, KK: tl.constexpr, F: tl.constex
 
 
 @triton.jit
+def _factor_grad_scatter(lin_row, g_row, out_row, rmask, KK: tl.constexpr, KP: tl.constexpr,
+                         F: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr):
+    """Scatter form: for each slot i, the same sum for its column c_i (the slots j, in order,
+    whose column is c_i) is formed in a [ROWS, KP] accumulator and stored at out_row[:, c_i]
+    (slots sharing a column store the same value). Columns no slot selects are left as they
+    are (the caller zeroed them)."""
+    jj = tl.arange(0, KP)
+    m2 = rmask[:, None] & (jj < KK)[None, :]
+    c = ((tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0) // STRIDE) % F).to(tl.int32)
+    acc = tl.zeros((ROWS, KP), tl.float32)
+    for j in range(KK):
+        slot = tl.load(lin_row + j, mask=rmask, other=0)
+        g = tl.load(g_row + j, mask=rmask, other=0.0).to(tl.float32)
+        cj = ((slot // STRIDE) % F).to(tl.int32)
+        acc += tl.where(c == cj[:, None], g[:, None], 0.0)
+    # A negative slot's remainder is negative: that slot selects no column, as in the dense form.
+    tl.store(out_row[:, None] + c, _to_dtype(acc, out_row.dtype.element_ty), mask=m2 & (c >= 0))
+
+
+@triton.jit
+def _factor_grad_any(lin_row, g_row, out_row, rmask, KK: tl.constexpr, KP: tl.constexpr,
+                     F: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr,
+                     SCATTER: tl.constexpr, ROWS: tl.constexpr):
+    if SCATTER:
+        _factor_grad_scatter(lin_row, g_row, out_row, rmask, KK, KP, F, STRIDE, ROWS)
+    else:
+        _factor_grad(lin_row, g_row, out_row, rmask, KK, F, STRIDE, BC, ROWS)
+
+
+@triton.jit
 def _product_key_topk_bwd(
     lin_ptr,                    # [n, KK] int64
     g_ptr,                      # [n, KK] float32 / bfloat16
     grad_ptr,                   # [n, W] float32 / bfloat16
     n_rows,
-    KK: tl.constexpr, W: tl.constexpr, NF: tl.constexpr, ROWS: tl.constexpr,
-    F0: tl.constexpr, S0: tl.constexpr, BC0: tl.constexpr,
-    F1: tl.constexpr, S1: tl.constexpr, BC1: tl.constexpr,
-    F2: tl.constexpr, S2: tl.constexpr, BC2: tl.constexpr,
-    F3: tl.constexpr, S3: tl.constexpr, BC3: tl.constexpr,
+    KK: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, NF: tl.constexpr,
+    ROWS: tl.constexpr, ZB: tl.constexpr, ANY_SCATTER: tl.constexpr,
+    F0: tl.constexpr, S0: tl.constexpr, BC0: tl.constexpr, SC0: tl.constexpr,
+    F1: tl.constexpr, S1: tl.constexpr, BC1: tl.constexpr, SC1: tl.constexpr,
+    F2: tl.constexpr, S2: tl.constexpr, BC2: tl.constexpr, SC2: tl.constexpr,
+    F3: tl.constexpr, S3: tl.constexpr, BC3: tl.constexpr, SC3: tl.constexpr,
 ):
     """Factor f: F{f} columns, column of slot lin = (lin // S{f}) % F{f}, S{f} =
-    prod(factors[f+1:]); accumulator blocks of BC{f} columns."""
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    prod(factors[f+1:]); the scatter form where SC{f}, else the dense one in accumulator
+    blocks of BC{f} columns. With any scatter factor the program first zeroes its rows (one
+    contiguous range of grad, ZB elements a store), then waits for every thread's zeros
+    before the factors store."""
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    row = first + tl.arange(0, ROWS)
     rmask = row < n_rows
     lin_row = lin_ptr + row * KK
     g_row = g_ptr + row * KK
     out_row = grad_ptr + row * W
-    _factor_grad(lin_row, g_row, out_row, rmask, KK, F0, S0, BC0, ROWS)
+    if ANY_SCATTER:
+        zeros = _to_dtype(tl.zeros((ZB,), tl.float32), grad_ptr.dtype.element_ty)
+        end = tl.minimum(first + ROWS, n_rows) * W
+        for z0 in range(0, ROWS * W, ZB):
+            at = first * W + z0 + tl.arange(0, ZB)
+            tl.store(grad_ptr + at, zeros, mask=at < end)
+        # Orders the zeros before the sums some other thread of the program stores there.
+        tl.debug_barrier()
+    _factor_grad_any(lin_row, g_row, out_row, rmask, KK, KP, F0, S0, BC0, SC0, ROWS)
     if NF > 1:
-        _factor_grad(lin_row, g_row, out_row + F0, rmask, KK, F1, S1, BC1, ROWS)
+        _factor_grad_any(lin_row, g_row, out_row + F0, rmask, KK, KP, F1, S1, BC1, SC1, ROWS)
     if NF > 2:
-        _factor_grad(lin_row, g_row, out_row + (F0 + F1), rmask, KK, F2, S2, BC2, ROWS)
+        _factor_grad_any(lin_row, g_row, out_row + (F0 + F1), rmask, KK, KP, F2, S2, BC2, SC2,
+                         ROWS)
     if NF > 3:
-        _factor_grad(lin_row, g_row, out_row + (F0 + F1 + F2), rmask, KK, F3, S3, BC3, ROWS)
+        _factor_grad_any(lin_row, g_row, out_row + (F0 + F1 + F2), rmask, KK, KP, F3, S3, BC3,
+                         SC3, ROWS)
+
+
+def _bwd_config(factors: list[int], kk: int) -> dict:
+    """Constexprs and launch options of ``_product_key_topk_bwd``, a function of the factors
+    and kk alone. A factor wider than the slots' power of two KP takes the scatter form (kk x
+    KP compares a row instead of kk x factor), a narrower one the dense form; ROWS fills a
+    block of about _BWD_BLOCK elements of the widest accumulator."""
+    kp = _pow2(kk)
+    meta = {"KK": kk, "KP": kp, "W": sum(factors), "NF": len(factors)}
+    widest = 1
+    any_scatter = False
+    for f in range(4):
+        width = factors[f] if f < len(factors) else 1
+        scatter = f < len(factors) and width > kp
+        bc = min(_pow2(width), _BWD_COLS)
+        meta.update({f"F{f}": width, f"S{f}": math.prod(factors[f + 1:]), f"BC{f}": bc,
+                     f"SC{f}": scatter})
+        if f < len(factors):
+            widest = max(widest, kp if scatter else bc)
+        any_scatter |= scatter
+    rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
+    meta.update(ROWS=rows, ZB=_BWD_BLOCK, ANY_SCATTER=any_scatter, num_warps=_BWD_WARPS)
+    return meta
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_launch_config(factors: tuple[int, ...], kk: int) -> dict:
+    """``_bwd_config`` computed once per (factors, kk) for the launcher; callers only read it."""
+    return _bwd_config(list(factors), kk)
 
 
 def product_key_topk_bwd(lin: torch.Tensor, grad_val: torch.Tensor, factors: list[int],
@@ -513,16 +595,6 @@ def product_key_topk_bwd(lin: torch.Tensor, grad_val: torch.Tensor, factors: lis
     n, kk = lin.shape
     if n == 0:
         return
-    factors = list(factors)
-    meta = {}
-    widest = 1
-    for f in range(4):
-        width = factors[f] if f < len(factors) else 1
-        bc = min(_pow2(width), _BWD_COLS)
-        meta.update({f"F{f}": width, f"S{f}": math.prod(factors[f + 1:]), f"BC{f}": bc})
-        widest = max(widest, bc)
-    block_rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
-    grid = (triton.cdiv(n, block_rows),)
-    wrap_triton(_product_key_topk_bwd)[grid](
-        lin, grad_val, grad, n, KK=kk, W=sum(factors), NF=len(factors), ROWS=block_rows,
-        num_warps=_BWD_WARPS, **meta)
+    meta = _bwd_launch_config(tuple(factors), kk)
+    grid = (triton.cdiv(n, meta["ROWS"]),)
+    wrap_triton(_product_key_topk_bwd)[grid](lin, grad_val, grad, n, **meta)
