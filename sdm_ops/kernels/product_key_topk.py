@@ -595,6 +595,8 @@ def product_key_topk_bwd(lin: torch.Tensor, grad_val: torch.Tensor, factors: lis
     n, kk = lin.shape
     if n == 0:
         return
-    meta = _bwd_launch_config(tuple(factors), kk)
+    # kk is a SymInt when traced with dynamic shapes: the kernel specializes on it (KK is a
+    # constexpr), so the launcher does too.
+    meta = _bwd_launch_config(tuple(factors), int(kk))
     grid = (triton.cdiv(n, meta["ROWS"]),)
     wrap_triton(_product_key_topk_bwd)[grid](lin, grad_val, grad, n, **meta)
