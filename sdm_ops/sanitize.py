@@ -397,7 +397,8 @@ def topk_case(factors: tuple[int, ...], k: int, dtype: torch.dtype, special: boo
     def run() -> str:
         raw = make_raw(factors, dtype, special, seed)
         kk = min(k, torch.Size(factors).numel())
-        grad_val = torch.randn(*TOPK_LEAD, kk, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        g = torch.Generator().manual_seed(seed)
+        grad_val = torch.randn(*TOPK_LEAD, kk, generator=g).to(dtype)
         leaf = raw.to(device).requires_grad_()
         with kernels(device):
             val, lin = product_key_topk(leaf, factors, k)

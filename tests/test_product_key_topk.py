@@ -265,10 +265,17 @@ def test_backward_writes_every_element():
     assert torch.equal(grad.cpu(), expected)
 
 
-def guarded_grad(n, width, dtype, pad=37):
-    """A NaN buffer and grad [n, width], a view of it with ``pad`` NaN elements either side."""
-    buf = torch.full((n * width + 2 * pad,), math.nan, dtype=dtype, device=KERNEL_DEVICE)
-    return buf, buf[pad:pad + n * width].view(n, width)
+GUARD = 37
+
+
+def guarded_grad(n, width, dtype):
+    """A NaN buffer and grad [n, width], a view of it with GUARD NaN elements either side."""
+    buf = torch.full((n * width + 2 * GUARD,), math.nan, dtype=dtype, device=KERNEL_DEVICE)
+    return buf, buf[GUARD:GUARD + n * width].view(n, width)
+
+
+def assert_guards_intact(buf):
+    assert buf[:GUARD].isnan().all() and buf[-GUARD:].isnan().all(), "wrote outside grad"
 
 
 @requires_kernels
@@ -293,7 +300,7 @@ def test_backward_over_several_programs(factors, kk, dtype):
     expected = product_key_topk_backward_reference(lin, grad_val, tuple(factors)).to(dtype)
     assert torch.equal(grad.cpu(), expected), \
         f"max diff {(grad.cpu().float() - expected.float()).abs().max()}"
-    assert buf[:37].isnan().all() and buf[-37:].isnan().all(), "wrote outside grad"
+    assert_guards_intact(buf)
 
 
 @requires_kernels
@@ -321,7 +328,7 @@ def test_backward_any_slots_stay_inside_grad(factors, kk):
             1, torch.where(keep, col, 0), torch.where(keep, grad_val, 0.0))
         offset += width_f
     assert torch.equal(grad.cpu(), expected), f"max diff {(grad.cpu() - expected).abs().max()}"
-    assert buf[:37].isnan().all() and buf[-37:].isnan().all(), "wrote outside grad"
+    assert_guards_intact(buf)
 
 
 @requires_cuda

@@ -568,14 +568,13 @@ def _bwd_config(factors: list[int], kk: int) -> dict:
     meta = {"KK": kk, "KP": kp, "W": sum(factors), "NF": len(factors)}
     widest = 1
     any_scatter = False
-    for f in range(4):
+    for f in range(4):   # absent factors: 1 column, dense, never the widest
         width = factors[f] if f < len(factors) else 1
-        scatter = f < len(factors) and width > kp
+        scatter = width > kp
         bc = min(_pow2(width), _BWD_COLS)
         meta.update({f"F{f}": width, f"S{f}": math.prod(factors[f + 1:]), f"BC{f}": bc,
                      f"SC{f}": scatter})
-        if f < len(factors):
-            widest = max(widest, kp if scatter else bc)
+        widest = max(widest, kp if scatter else bc)
         any_scatter |= scatter
     rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
     meta.update(ROWS=rows, ZB=_BWD_BLOCK, ANY_SCATTER=any_scatter, num_warps=_BWD_WARPS)
