@@ -13,8 +13,9 @@ fastest first. The floor is the gradient written once and lin and the value grad
 once at the device copy bandwidth measured in the same run (``sdm_ops.bench``).
 
 Usage on a GPU machine: ``python scripts/topk_bwd_sweep.py [--rows 262144] [--factors
-256,256] [--ks 8,32] [--dtypes bfloat16,float32]``; run it from a package copy's directory
-(``cd .ab/X && python ../../scripts/topk_bwd_sweep.py``) to sweep that copy. Without CUDA,
+256,256] [--ks 8,32] [--dtypes bfloat16,float32] [--rows-options 8,16,..] [--warps-options
+1,2,..]``; to sweep a package copy, ``cd .ab/X && PYTHONPATH=$PWD python
+../../scripts/topk_bwd_sweep.py`` (it prints where its ``sdm_ops`` came from). Without CUDA,
 with TRITON_INTERPRET=1, a smoke run on the CPU (two variants and the pinned one, one call
 each), e.g. ``TRITON_INTERPRET=1 python scripts/topk_bwd_sweep.py --rows 40 --ks 8``.
 """
@@ -22,6 +23,7 @@ each), e.g. ``TRITON_INTERPRET=1 python scripts/topk_bwd_sweep.py --rows 40 --ks
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import os
 import sys
@@ -42,12 +44,13 @@ WARPS_OPTIONS = (1, 2, 4, 8)
 SMOKE_VARIANTS = 2
 
 
-def variants(factors: list[int], kk: int, smoke: bool) -> tuple[dict, list[dict]]:
+def variants(factors: list[int], kk: int, smoke: bool, rows_options=ROWS_OPTIONS,
+             warps_options=WARPS_OPTIONS) -> tuple[dict, list[dict]]:
     """The pinned configuration and the variants (ROWS, then warps, ascending), the pinned
     one among them."""
     base = _bwd_config(list(factors), kk)
     out = [dict(base, ROWS=rows, num_warps=warps)
-           for rows in ROWS_OPTIONS for warps in WARPS_OPTIONS]
+           for rows in rows_options for warps in warps_options]
     if smoke:
         out = out[:SMOKE_VARIANTS]
     if base not in out:
@@ -78,7 +81,11 @@ def main() -> None:
     p.add_argument("--factors", default="256,256")
     p.add_argument("--ks", default="8,32")
     p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--rows-options", default=",".join(map(str, ROWS_OPTIONS)))
+    p.add_argument("--warps-options", default=",".join(map(str, WARPS_OPTIONS)))
     args = p.parse_args()
+    options = [tuple(int(x) for x in o.split(",")) for o in (args.rows_options,
+                                                               args.warps_options)]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if not torch.cuda.is_available() and not interpret:
         print("topk_bwd_sweep: needs a CUDA GPU, or TRITON_INTERPRET=1 for a CPU smoke run")
@@ -99,15 +106,17 @@ def main() -> None:
             none = torch.full_like(lin, -1)
             bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
             grad = torch.empty_like(raw)
-            base, metas = variants(factors, kk, interpret)
+            base, metas = variants(factors, kk, interpret, *options)
             launch(lin, grad_val, grad, base)
             want = grad.clone()
+            sha = hashlib.sha1(want.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
             case = f"{dtype_name} {tuple(factors)} k = {kk}"
             nbytes = grad.numel() * grad.element_size() + lin.numel() * 8 + \
                 grad_val.numel() * grad_val.element_size()
             floor = "" if bandwidth is None else f", floor {nbytes / bandwidth * 1e3:.3f} ms"
             zero = time_ms(grad.zero_, interpret)
-            print(f"{case}: grad.zero_() {zero:.3f} ms{floor}", flush=True)
+            print(f"{case}: grad.zero_() {zero:.3f} ms{floor}; the pinned configuration's "
+                  f"gradient: sha1 {sha[:12]}", flush=True)
             rows = []
             for meta in metas:
                 grad.fill_(float("nan"))
