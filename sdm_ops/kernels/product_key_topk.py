@@ -82,7 +82,9 @@ from torch.library import wrap_triton
 # most _FWD_CHUNK; rows per program such that the widest chunk times ROWS is about
 # _FWD_BLOCK; at most _FWD_WARPS warps. Backward: dense accumulator blocks of at most
 # _BWD_COLS columns, rows per program (at most _BWD_MAX_ROWS) such that the widest accumulator
-# holds about _BWD_BLOCK elements; the zeroing stores _BWD_BLOCK elements at a time.
+# holds about _BWD_BLOCK elements; the zeroing stores _BWD_BLOCK elements at a time, and a
+# program that zeroes its rows has at most _BWD_ZERO_ROW_ELEMENTS elements of them (PERF_NOTES
+# 52: small programs' zeros and sums meet in L2).
 _FWD_BLOCK = 2048
 _FWD_CHUNK = 512
 _FWD_MAX_ROWS = 16
@@ -97,6 +99,7 @@ _STAGE_PER_THREAD = 8
 _BWD_COLS = 256
 _BWD_BLOCK = 2048
 _BWD_MAX_ROWS = 128
+_BWD_ZERO_ROW_ELEMENTS = 4096
 _BWD_WARPS = 4
 # Lists of at most this many entries are read by selects (``_take``) rather than ``tl.gather``,
 # so that they do not bound the warp count.
@@ -563,7 +566,8 @@ def _bwd_config(factors: list[int], kk: int) -> dict:
     """Constexprs and launch options of ``_product_key_topk_bwd``, a function of the factors
     and kk alone. A factor wider than the slots' power of two KP takes the scatter form (kk x
     KP compares a row instead of kk x factor), a narrower one the dense form; ROWS fills a
-    block of about _BWD_BLOCK elements of the widest accumulator."""
+    block of about _BWD_BLOCK elements of the widest accumulator, and with a scatter factor
+    (whose program zeroes its rows first) at most _BWD_ZERO_ROW_ELEMENTS of the gradient."""
     kp = _pow2(kk)
     meta = {"KK": kk, "KP": kp, "W": sum(factors), "NF": len(factors)}
     widest = 1
@@ -577,6 +581,8 @@ def _bwd_config(factors: list[int], kk: int) -> dict:
         widest = max(widest, kp if scatter else bc)
         any_scatter |= scatter
     rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
+    if any_scatter:
+        rows = min(rows, 1 << _log2(max(1, _BWD_ZERO_ROW_ELEMENTS // meta["W"])))
     meta.update(ROWS=rows, ZB=_BWD_BLOCK, ANY_SCATTER=any_scatter, num_warps=_BWD_WARPS)
     return meta
 
