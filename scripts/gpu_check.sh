@@ -34,7 +34,8 @@
 #                  files), the widest cases beside as in tests-b (one H200: at e0db02f, by hand,
 #                  422 passed in about 400 s with the widest 6 in 169 s beside; at b4e0b18 426
 #                  passed in 335 s, the widest 6 in 228 s; at e64b3b8 428 in 365 s, the
-#                  widest 6 in 162 s; at 0109c4e 443 in 302 s, the widest 6 in 143 s;
+#                  widest 6 in 162 s; at 0109c4e 443 in 302 s, the widest 6 in 143 s; at
+#                  0f6609c 443 passed, 3 skipped in 349 s, the widest 6 in 178 s (365 s wall);
 #                  the rest of the suite then fits one call:
 #                  pytest -n 15 tests compile_tests --ignore= those files, 328 s)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
