@@ -39,8 +39,8 @@ import sdm_ops  # noqa: E402
 from sdm_ops import bench  # noqa: E402
 from sdm_ops.kernels.product_key_topk import _bwd_config, _product_key_topk_bwd  # noqa: E402
 
-ROWS_OPTIONS = (8, 16, 32, 64, 128, 256)
-WARPS_OPTIONS = (1, 2, 4, 8)
+ROWS_OPTIONS = (1, 2, 4, 8, 16, 32, 64, 128)
+WARPS_OPTIONS = (2, 4, 8)
 SMOKE_VARIANTS = 2
 
 
@@ -75,6 +75,48 @@ def describe(meta: dict) -> str:
     return f"ROWS {meta['ROWS']:>3}, warps {meta['num_warps']}"
 
 
+def sweep_case(n: int, factors: list[int], kk: int, dtype: torch.dtype, options: list[tuple],
+               bandwidth: float | None, device: str) -> None:
+    """One dtype and k: every variant timed and printed as it ends, then the table."""
+    interpret = device == "cpu"
+    torch.manual_seed(0)
+    raw = torch.randn(n, sum(factors), device=device, dtype=dtype)
+    with torch.no_grad():
+        _, lin = sdm_ops.product_key_topk(raw, factors, kk)
+    grad_val = torch.randn(lin.shape, device=device, generator=torch.Generator(
+        device).manual_seed(1)).to(dtype)
+    none = torch.full_like(lin, -1)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    grad = torch.empty_like(raw)
+    base, metas = variants(factors, kk, interpret, *options)
+    launch(lin, grad_val, grad, base)
+    want = grad.clone()
+    sha = hashlib.sha1(want.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    case = f"{str(dtype).removeprefix('torch.')} {tuple(factors)} k = {kk}"
+    nbytes = grad.numel() * grad.element_size() + lin.numel() * 8 + \
+        grad_val.numel() * grad_val.element_size()
+    floor = "" if bandwidth is None else f", floor {nbytes / bandwidth * 1e3:.3f} ms"
+    zero = time_ms(grad.zero_, interpret)
+    print(f"{case}: grad.zero_() {zero:.3f} ms{floor}; the pinned configuration's "
+          f"gradient: sha1 {sha[:12]}", flush=True)
+    rows = []
+    for meta in metas:
+        grad.fill_(float("nan"))
+        launch(lin, grad_val, grad, meta)
+        same = torch.equal(grad.view(bits), want.view(bits))
+        ms = time_ms(lambda: launch(lin, grad_val, grad, meta), interpret)
+        bare = time_ms(lambda: launch(none, grad_val, grad, meta), interpret)
+        mark = "*" if meta == base else " "
+        print(f"  {mark}{describe(meta)}: {ms:.3f} ms, slots -1 {bare:.3f} ms, "
+              f"{'same bits' if same else 'DIFFERS'}", flush=True)
+        rows.append((ms, bare, mark, meta, same))
+    pinned = next(ms for ms, _, mark, _, _ in rows if mark == "*")
+    print(f"{case}, fastest first (pinned *):")
+    for ms, bare, mark, meta, same in sorted(rows, key=lambda r: r[0]):
+        print(f"  {mark}{describe(meta)} {ms:8.3f} ms  {ms / pinned:5.2f}x pinned  "
+              f"slots -1 {bare:.3f}{'' if same else '  DIFFERS'}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=262144)
@@ -86,54 +128,17 @@ def main() -> None:
     args = p.parse_args()
     options = [tuple(int(x) for x in o.split(",")) for o in (args.rows_options,
                                                                args.warps_options)]
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if not torch.cuda.is_available() and not interpret:
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         print("topk_bwd_sweep: needs a CUDA GPU, or TRITON_INTERPRET=1 for a CPU smoke run")
         return
-    device = "cpu" if interpret else "cuda"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     factors = [int(f) for f in args.factors.split(",")]
     print(f"sdm_ops from {os.path.dirname(sdm_ops.__file__)}")
-    bandwidth = None if interpret else bench.copy_bandwidth()
+    bandwidth = None if device == "cpu" else bench.copy_bandwidth()
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
         for kk in (int(k) for k in args.ks.split(",")):
-            torch.manual_seed(0)
-            raw = torch.randn(args.rows, sum(factors), device=device, dtype=dtype)
-            with torch.no_grad():
-                _, lin = sdm_ops.product_key_topk(raw, factors, kk)
-            grad_val = torch.randn(lin.shape, device=device, generator=torch.Generator(
-                device).manual_seed(1)).to(dtype)
-            none = torch.full_like(lin, -1)
-            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-            grad = torch.empty_like(raw)
-            base, metas = variants(factors, kk, interpret, *options)
-            launch(lin, grad_val, grad, base)
-            want = grad.clone()
-            sha = hashlib.sha1(want.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-            case = f"{dtype_name} {tuple(factors)} k = {kk}"
-            nbytes = grad.numel() * grad.element_size() + lin.numel() * 8 + \
-                grad_val.numel() * grad_val.element_size()
-            floor = "" if bandwidth is None else f", floor {nbytes / bandwidth * 1e3:.3f} ms"
-            zero = time_ms(grad.zero_, interpret)
-            print(f"{case}: grad.zero_() {zero:.3f} ms{floor}; the pinned configuration's "
-                  f"gradient: sha1 {sha[:12]}", flush=True)
-            rows = []
-            for meta in metas:
-                grad.fill_(float("nan"))
-                launch(lin, grad_val, grad, meta)
-                same = torch.equal(grad.view(bits), want.view(bits))
-                ms = time_ms(lambda: launch(lin, grad_val, grad, meta), interpret)
-                bare = time_ms(lambda: launch(none, grad_val, grad, meta), interpret)
-                mark = "*" if meta == base else " "
-                print(f"  {mark}{describe(meta)}: {ms:.3f} ms, slots -1 {bare:.3f} ms, "
-                      f"{'same bits' if same else 'DIFFERS'}", flush=True)
-                rows.append((ms, bare, mark, meta, same))
-            pinned = next(ms for ms, _, mark, _, _ in rows if mark == "*")
-            print(f"{case}, fastest first (pinned *):")
-            for ms, bare, mark, meta, same in sorted(rows, key=lambda r: r[0]):
-                print(f"  {mark}{describe(meta)} {ms:8.3f} ms  {ms / pinned:5.2f}x pinned  "
-                      f"slots -1 {bare:.3f}{'' if same else '  DIFFERS'}")
-
+            sweep_case(args.rows, factors, kk, getattr(torch, dtype_name), options, bandwidth,
+                       device)
 
 if __name__ == "__main__":
     main()
