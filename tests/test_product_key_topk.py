@@ -283,11 +283,12 @@ def assert_guards_intact(buf):
 @pytest.mark.parametrize("factors,kk", [((256, 256), 8), ((256, 256), 32), ((300, 2), 40),
                                         ((1024, 4), 16), ((6, 6), 9), ((4096, 3), 5)], ids=str)
 def test_backward_over_several_programs(factors, kk, dtype):
-    """Two whole programs of rows and a partial third, in the form each factor takes (scatter
-    where it is wider than kk's power of two, dense otherwise): the reference's sums, every
-    element written, nothing written outside grad. The slots come from a small pool, so most
-    of a row's slots share a column of some factor. (4096, 3) takes one row a program (five
-    whole programs, none partial), whose zeroing of 4099 elements ends in a partial block."""
+    """2 ROWS + 3 rows: at least two whole programs and, where ROWS > 1, a partial last one,
+    in the form each factor takes (scatter where it is wider than kk's power of two, dense
+    otherwise): the reference's sums, every element written, nothing written outside grad.
+    The slots come from a small pool, so most of a row's slots share a column of some factor.
+    (4096, 3) takes one row a program, whose zeroing of 4099 elements ends in a partial
+    block."""
     config = kern._bwd_config(list(factors), kk)
     n = 2 * config["ROWS"] + 3
     g = torch.Generator().manual_seed(kk)
