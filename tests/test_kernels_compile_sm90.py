@@ -154,6 +154,11 @@ def _launches():
         for dtype in (torch.float32, torch.bfloat16):
             raw = torch.randn(3, 4 + 5 + 3, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
             sdm_ops.product_key_topk(raw, (4, 5, 3), 7).val.sum().backward()
+            # The backward's scatter form, with its slots loaded a slot at a time (k = 5) and
+            # as tiles (k = 16).
+            raw = torch.randn(3, 40 + 2, dtype=dtype, device=KERNEL_DEVICE, requires_grad=True)
+            for k in (5, 16):
+                sdm_ops.product_key_topk(raw, (40, 2), k).val.sum().backward()
             # A factor merged chunk by chunk (three chunks) with a short list.
             with torch.no_grad():
                 sdm_ops.product_key_topk(torch.randn(2, 1100 + 2, dtype=dtype,

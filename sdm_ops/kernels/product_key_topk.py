@@ -47,9 +47,10 @@ A factor no wider than KP = next_pow2(kk) is done dense: a [ROWS, columns] regis
 accumulator walks the slots, and every column is stored. A wider one is scattered: the
 accumulator is [ROWS, KP], entry i summing the slots that share slot i's column, and it is
 stored at those columns (slots sharing a column store the same value), kk x KP compares a
-row instead of kk x factors[f] (at (256, 256) and kk = 8, a 32nd). Where any factor is
-scattered the program first zeroes its rows of grad and passes a barrier, so that the
-columns no slot selects are zero and the sums land after the zeros.
+row instead of kk x factors[f] (at (256, 256) and kk = 8, a 32nd); from KP = 16 on, the
+program loads its slots and value gradients once, as [ROWS, KP] tiles, and takes slot j's
+from them. Where any factor is scattered the program first zeroes its rows of grad and passes
+a barrier, so that the columns no slot selects are zero and the sums land after the zeros.
 
 Layouts (all contiguous, row-major): ``rows`` [n, W] with W = sum(factors), float32 or
 bfloat16; ``val`` [n, kk] in the row dtype; ``lin`` [n, kk] int64; ``grad_val`` [n, kk] float32
@@ -84,7 +85,9 @@ from torch.library import wrap_triton
 # _BWD_COLS columns, rows per program (at most _BWD_MAX_ROWS) such that the widest accumulator
 # holds about _BWD_BLOCK elements; the zeroing stores _BWD_BLOCK elements at a time, and a
 # program that zeroes its rows has at most _BWD_ZERO_ROW_ELEMENTS elements of them (PERF_NOTES
-# 52: small programs' zeros and sums meet in L2).
+# 52: small programs' zeros and sums meet in L2). Where the slots' power of two KP is at least
+# _BWD_TILE_SLOTS, a program loads its slots and value gradients once, as tiles, for the
+# scatter factors (PERF_NOTES 53: faster from KP = 16 on, slower for float32 at KP = 8).
 _FWD_BLOCK = 2048
 _FWD_CHUNK = 512
 _FWD_MAX_ROWS = 16
@@ -100,6 +103,7 @@ _BWD_COLS = 256
 _BWD_BLOCK = 2048
 _BWD_MAX_ROWS = 128
 _BWD_ZERO_ROW_ELEMENTS = 4096
+_BWD_TILE_SLOTS = 16
 _BWD_WARPS = 4
 # Lists of at most this many entries are read by selects (``_take``) rather than ``tl.gather``,
 # so that they do not bound the warp count.
@@ -490,31 +494,45 @@ def _factor_grad(lin_row, g_row, out_row, rmask, KK: tl.constexpr, F: tl.constex
 
 
 @triton.jit
-def _factor_grad_scatter(lin_row, g_row, out_row, rmask, KK: tl.constexpr, KP: tl.constexpr,
-                         F: tl.constexpr, STRIDE: tl.constexpr, ROWS: tl.constexpr):
+def _factor_grad_scatter(lin_row, g_row, lin_t, g_t, out_row, rmask, KK: tl.constexpr,
+                         KP: tl.constexpr, F: tl.constexpr, STRIDE: tl.constexpr,
+                         ROWS: tl.constexpr, TILES: tl.constexpr):
     """Scatter form: for each slot i, the same sum for its column c_i (the slots j, in order,
     whose column is c_i) is formed in a [ROWS, KP] accumulator and stored at out_row[:, c_i]
     (slots sharing a column store the same value). Columns no slot selects are left as they
-    are (the caller zeroed them)."""
+    are (the caller zeroed them). With TILES, slot j's column and gradient come from the
+    program's [ROWS, KP] tiles of slots and value gradients ``lin_t``, ``g_t`` (their column
+    j, a sum of one element and zeros: the same bits), else from two loads a slot."""
     jj = tl.arange(0, KP)
     m2 = rmask[:, None] & (jj < KK)[None, :]
-    c = ((tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0) // STRIDE) % F).to(tl.int32)
+    if TILES:
+        c = ((lin_t // STRIDE) % F).to(tl.int32)
+    else:
+        c = ((tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0) // STRIDE)
+             % F).to(tl.int32)
     acc = tl.zeros((ROWS, KP), tl.float32)
-    for j in range(KK):
-        slot = tl.load(lin_row + j, mask=rmask, other=0)
-        g = tl.load(g_row + j, mask=rmask, other=0.0).to(tl.float32)
-        cj = ((slot // STRIDE) % F).to(tl.int32)
-        acc += tl.where(c == cj[:, None], g[:, None], 0.0)
+    if TILES:
+        for j in tl.static_range(KK):
+            cj = tl.sum(tl.where(jj[None, :] == j, c, 0), axis=1)
+            gj = tl.sum(tl.where(jj[None, :] == j, g_t, 0.0), axis=1)
+            acc += tl.where(c == cj[:, None], gj[:, None], 0.0)
+    else:
+        for j in range(KK):
+            slot = tl.load(lin_row + j, mask=rmask, other=0)
+            gj = tl.load(g_row + j, mask=rmask, other=0.0).to(tl.float32)
+            cj = ((slot // STRIDE) % F).to(tl.int32)
+            acc += tl.where(c == cj[:, None], gj[:, None], 0.0)
     # A negative slot's remainder is negative: that slot selects no column, as in the dense form.
     tl.store(out_row[:, None] + c, _to_dtype(acc, out_row.dtype.element_ty), mask=m2 & (c >= 0))
 
 
 @triton.jit
-def _factor_grad_any(lin_row, g_row, out_row, rmask, KK: tl.constexpr, KP: tl.constexpr,
-                     F: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr,
-                     SCATTER: tl.constexpr, ROWS: tl.constexpr):
+def _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row, rmask, KK: tl.constexpr,
+                     KP: tl.constexpr, F: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr,
+                     SCATTER: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr):
     if SCATTER:
-        _factor_grad_scatter(lin_row, g_row, out_row, rmask, KK, KP, F, STRIDE, ROWS)
+        _factor_grad_scatter(lin_row, g_row, lin_t, g_t, out_row, rmask, KK, KP, F, STRIDE,
+                             ROWS, TILES)
     else:
         _factor_grad(lin_row, g_row, out_row, rmask, KK, F, STRIDE, BC, ROWS)
 
@@ -526,7 +544,7 @@ def _product_key_topk_bwd(
     grad_ptr,                   # [n, W] float32 / bfloat16
     n_rows,
     KK: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, NF: tl.constexpr,
-    ROWS: tl.constexpr, ZB: tl.constexpr, ANY_SCATTER: tl.constexpr,
+    ROWS: tl.constexpr, ZB: tl.constexpr, ANY_SCATTER: tl.constexpr, TILES: tl.constexpr,
     F0: tl.constexpr, S0: tl.constexpr, BC0: tl.constexpr, SC0: tl.constexpr,
     F1: tl.constexpr, S1: tl.constexpr, BC1: tl.constexpr, SC1: tl.constexpr,
     F2: tl.constexpr, S2: tl.constexpr, BC2: tl.constexpr, SC2: tl.constexpr,
@@ -536,7 +554,8 @@ def _product_key_topk_bwd(
     prod(factors[f+1:]); the scatter form where SC{f}, else the dense one in accumulator
     blocks of BC{f} columns. With any scatter factor the program first zeroes its rows (one
     contiguous range of grad, ZB elements a store), then waits for every thread's zeros
-    before the factors store."""
+    before the factors store. With TILES the program loads its slots and value gradients
+    once, as [ROWS, KP] tiles, for the scatter factors."""
     first = tl.program_id(0).to(tl.int64) * ROWS
     row = first + tl.arange(0, ROWS)
     rmask = row < n_rows
@@ -551,15 +570,24 @@ def _product_key_topk_bwd(
             tl.store(grad_ptr + at, zeros, mask=at < end)
         # Orders the zeros before the sums some other thread of the program stores there.
         tl.debug_barrier()
-    _factor_grad_any(lin_row, g_row, out_row, rmask, KK, KP, F0, S0, BC0, SC0, ROWS)
+    lin_t = tl.zeros((ROWS, KP), tl.int64)
+    g_t = tl.zeros((ROWS, KP), tl.float32)
+    if TILES:
+        jj = tl.arange(0, KP)
+        m2 = rmask[:, None] & (jj < KK)[None, :]
+        lin_t = tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0)
+        g_t = tl.load(g_row[:, None] + jj[None, :], mask=m2, other=0.0).to(tl.float32)
+    _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row, rmask, KK, KP, F0, S0, BC0, SC0,
+                     ROWS, TILES)
     if NF > 1:
-        _factor_grad_any(lin_row, g_row, out_row + F0, rmask, KK, KP, F1, S1, BC1, SC1, ROWS)
+        _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row + F0, rmask, KK, KP, F1, S1, BC1,
+                         SC1, ROWS, TILES)
     if NF > 2:
-        _factor_grad_any(lin_row, g_row, out_row + (F0 + F1), rmask, KK, KP, F2, S2, BC2, SC2,
-                         ROWS)
+        _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row + (F0 + F1), rmask, KK, KP, F2,
+                         S2, BC2, SC2, ROWS, TILES)
     if NF > 3:
-        _factor_grad_any(lin_row, g_row, out_row + (F0 + F1 + F2), rmask, KK, KP, F3, S3, BC3,
-                         SC3, ROWS)
+        _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row + (F0 + F1 + F2), rmask, KK, KP,
+                         F3, S3, BC3, SC3, ROWS, TILES)
 
 
 def _bwd_config(factors: list[int], kk: int) -> dict:
@@ -583,7 +611,8 @@ def _bwd_config(factors: list[int], kk: int) -> dict:
     rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
     if any_scatter:
         rows = min(rows, 1 << _log2(max(1, _BWD_ZERO_ROW_ELEMENTS // meta["W"])))
-    meta.update(ROWS=rows, ZB=_BWD_BLOCK, ANY_SCATTER=any_scatter, num_warps=_BWD_WARPS)
+    meta.update(ROWS=rows, ZB=_BWD_BLOCK, ANY_SCATTER=any_scatter,
+                TILES=any_scatter and kp >= _BWD_TILE_SLOTS, num_warps=_BWD_WARPS)
     return meta
 
 
