@@ -49,8 +49,9 @@ accumulator is [ROWS, KP], entry i summing the slots that share slot i's column,
 stored at those columns (slots sharing a column store the same value), kk x KP compares a
 row instead of kk x factors[f] (at (256, 256) and kk = 8, a 32nd); from KP = 16 on, the
 program loads its slots and value gradients once, as [ROWS, KP] tiles, and takes slot j's
-from them. Where any factor is scattered the program first zeroes its rows of grad and passes
-a barrier, so that the columns no slot selects are zero and the sums land after the zeros.
+column and gradient from them. Where any factor is scattered the program first zeroes its
+rows of grad and passes a barrier, so that the columns no slot selects are zero and the sums
+land after the zeros.
 
 Layouts (all contiguous, row-major): ``rows`` [n, W] with W = sum(factors), float32 or
 bfloat16; ``val`` [n, kk] in the row dtype; ``lin`` [n, kk] int64; ``grad_val`` [n, kk] float32
@@ -595,7 +596,9 @@ def _bwd_config(factors: list[int], kk: int) -> dict:
     and kk alone. A factor wider than the slots' power of two KP takes the scatter form (kk x
     KP compares a row instead of kk x factor), a narrower one the dense form; ROWS fills a
     block of about _BWD_BLOCK elements of the widest accumulator, and with a scatter factor
-    (whose program zeroes its rows first) at most _BWD_ZERO_ROW_ELEMENTS of the gradient."""
+    (whose program zeroes its rows first) at most _BWD_ZERO_ROW_ELEMENTS of the gradient;
+    TILES (slots and value gradients loaded once, as tiles) with a scatter factor where KP is
+    at least _BWD_TILE_SLOTS."""
     kp = _pow2(kk)
     meta = {"KK": kk, "KP": kp, "W": sum(factors), "NF": len(factors)}
     widest = 1
