@@ -128,10 +128,11 @@ def main() -> None:
     args = p.parse_args()
     options = [tuple(int(x) for x in o.split(",")) for o in (args.rows_options,
                                                                args.warps_options)]
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    # Under the interpreter (a smoke run) the kernels take CPU tensors, GPU or not.
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
         print("topk_bwd_sweep: needs a CUDA GPU, or TRITON_INTERPRET=1 for a CPU smoke run")
         return
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     factors = [int(f) for f in args.factors.split(",")]
     print(f"sdm_ops from {os.path.dirname(sdm_ops.__file__)}")
     bandwidth = None if device == "cpu" else bench.copy_bandwidth()
@@ -139,6 +140,7 @@ def main() -> None:
         for kk in (int(k) for k in args.ks.split(",")):
             sweep_case(args.rows, factors, kk, getattr(torch, dtype_name), options, bandwidth,
                        device)
+
 
 if __name__ == "__main__":
     main()
