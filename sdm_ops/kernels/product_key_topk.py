@@ -506,18 +506,16 @@ def _factor_grad_scatter(lin_row, g_row, lin_t, g_t, out_row, rmask, KK: tl.cons
     j, a sum of one element and zeros: the same bits), else from two loads a slot."""
     jj = tl.arange(0, KP)
     m2 = rmask[:, None] & (jj < KK)[None, :]
-    if TILES:
-        c = ((lin_t // STRIDE) % F).to(tl.int32)
-    else:
-        c = ((tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0) // STRIDE)
-             % F).to(tl.int32)
     acc = tl.zeros((ROWS, KP), tl.float32)
     if TILES:
+        c = ((lin_t // STRIDE) % F).to(tl.int32)
         for j in tl.static_range(KK):
             cj = tl.sum(tl.where(jj[None, :] == j, c, 0), axis=1)
             gj = tl.sum(tl.where(jj[None, :] == j, g_t, 0.0), axis=1)
             acc += tl.where(c == cj[:, None], gj[:, None], 0.0)
     else:
+        c = ((tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0) // STRIDE)
+             % F).to(tl.int32)
         for j in range(KK):
             slot = tl.load(lin_row + j, mask=rmask, other=0)
             gj = tl.load(g_row + j, mask=rmask, other=0.0).to(tl.float32)
