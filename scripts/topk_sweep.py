@@ -207,7 +207,7 @@ def print_failed(failed: list[tuple]) -> None:
 def sweep_cuda(args, factors: list[int], ks: list[int], dtype: torch.dtype) -> None:
     from triton.testing import do_bench
 
-    from sdm_ops.bench_topk import copy_bandwidth
+    from sdm_ops.bench import copy_bandwidth
 
     device = torch.cuda.current_device()
     plans = {k: variants(factors, k, dtype.itemsize) for k in ks}
@@ -220,7 +220,7 @@ def sweep_cuda(args, factors: list[int], ks: list[int], dtype: torch.dtype) -> N
 
     torch.manual_seed(0)
     raw = torch.randn(args.rows, sum(factors), device="cuda", dtype=dtype)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth() * 1e-3      # bytes per ms
     floor = raw.numel() * raw.element_size() / bandwidth
     print(f"copy bandwidth {bandwidth / 1e6:.0f} GB/s, floor (raw read once) "
           f"{floor * 1e3:.1f} us", flush=True)

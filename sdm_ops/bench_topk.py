@@ -25,14 +25,6 @@ def _bench(fn, rep_ms: int = 300) -> float:
     return do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per ms of a device-to-device copy (read + write)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    return 2 * nbytes / ms
-
-
 def brute_force(raw: torch.Tensor, k: int) -> None:
     a, b = FACTORS
     for r0 in range(0, raw.shape[0], BRUTE_CHUNK):
@@ -46,9 +38,9 @@ def main() -> int:
         print("sdm_ops.bench_topk needs a CUDA GPU; nothing to do here.")
         return 0
     import sdm_ops
-    from sdm_ops.bench import _captured
+    from sdm_ops.bench import _captured, copy_bandwidth
 
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth() * 1e-3      # bytes per ms
     print(f"{torch.cuda.get_device_name()}: {ROWS} rows, factors {FACTORS}; copy bandwidth "
           f"{bandwidth / 1e6:.0f} GB/s; floor: raw read once")
     print(f"{'rows':<10}{'what':<22}{'k':>4}{'ms':>10}{'x floor':>10}")
