@@ -60,9 +60,13 @@ TILE = 16  # edge of the square tiles (the smallest tl.dot shape)
 
 # Pinned (num_warps, num_stages). The substitution is a chain of 16-wide row updates (one warp);
 # the panel kernels chain 16 x 16 x 16 dots (two warps). num_stages=1: the panel kernels read
-# back what they stored behind a barrier, which no software pipelining may reorder.
+# back what they stored behind a barrier, which no software pipelining may reorder. The row
+# kernel reads only what earlier launches wrote, so its loop's loads may be pipelined (the
+# stages change no sum's order); at 4 warps its backward took 0.09 ms less of the reference
+# forward+backward than at 2 (PERF_NOTES 55; dbeta, dA, dQK within 2e-7 of the 2-warp ones).
 _DIAG_CONFIG = (1, 1)
 _PANEL_CONFIG = (2, 1)
+_ROW_CONFIG = (4, 3)
 
 
 @triton.jit
@@ -245,5 +249,6 @@ def wy_solve_bwd(A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch
     warps, stages = _PANEL_CONFIG
     wrap_triton(_bwd_panel_kernel)[grid](QK, X, dX, dQX, dA, w_scratch, C=c, num_warps=warps,
                                          num_stages=stages)
+    warps, stages = _ROW_CONFIG
     wrap_triton(_bwd_row_kernel)[grid](A, beta, X, dQX, w_scratch, dA, dbeta, dQK, C=c,
                                        num_warps=warps, num_stages=stages)
