@@ -38,10 +38,11 @@
 #                  0f6609c 443 passed, 3 skipped in 349 s, the widest 6 in 178 s (365 s wall);
 #                  at 75eee53 445 passed, 3 skipped in 313 s, the widest 6 in 121 s; at
 #                  de363b1 445 and 3 in 278 s, the widest 6 in 121 s; at 7dfa939 445 and 3
-#                  in 277 s, the widest 6 in 133 s);
+#                  in 277 s, the widest 6 in 133 s; at 919e706 445 and 3 in 297 s, the widest
+#                  6 in 148 s);
 #                  the rest of the suite then fits one call:
 #                  pytest -n 15 tests compile_tests --ignore= those files, 328 s; 420 s at
-#                  de72bb7, 341 s at de363b1, 308 s at 7dfa939)
+#                  de72bb7, 341 s at de363b1, 308 s at 7dfa939, 353 s at 919e706)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
 #                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
 #                  run with --addressing reached only its second addressing row in 370 s, so
