@@ -2,7 +2,7 @@
 be one of sdm_ops' operators as the Triton kernels are: launched through ``wrap_triton`` inside
 a ``torch.library.triton_op``, compiled by ``torch.compile(fullgraph=True)`` with Inductor
 splicing it into its output as a user-defined kernel, and captured in a CUDA graph
-(PERF_NOTES 57; the question behind entry 36's "a different kernel").
+(PERF_NOTES 58; the question behind entry 36's "a different kernel").
 
 The kernel is a row gather (out[i] = src[idx[i]]) with its layout written out. Each step
 prints ok or the exception it raised; the compiled step also says whether Inductor's output

@@ -1,4 +1,4 @@
-"""Where an eager call's host time goes (PERF_NOTES 58), on a GPU machine:
+"""Where an eager call's host time goes (PERF_NOTES 59), on a GPU machine:
 ``PYTHONPATH=. python scripts/host_profile.py [--calls 20] [--top 30]``.
 
 For the reference workload (float32 bank with decay, chunk 64) it prints, per case (the
