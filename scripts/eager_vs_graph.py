@@ -29,6 +29,18 @@ def workloads(B=8, T=4096, H=8, D=64, S=65536, W=8, R=8, C=64) -> list:
             ("packed fwd+bwd", bench.forward_backward_fn(packed, C, cu_seqlens=cu))]
 
 
+def host_ms(fn, calls: int) -> float:
+    """Median host wall time (ms) until ``fn`` returns, the GPU idle before each call."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def syncs_in(fn) -> int:
     """Synchronizing operations sync debug mode reports in one call of ``fn``."""
     torch.cuda.synchronize()
@@ -47,14 +59,8 @@ def main() -> None:
     for name, fn in workloads():
         eager = bench._time_ms(fn, reps=10)
         graph = bench._time_ms(bench._captured(fn).replay, reps=10)
-        host = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            host.append((time.perf_counter() - t0) * 1e3)
         print(f"{name:<16} eager {eager:.3f} ms  graph {graph:.3f} ms  "
-              f"host {statistics.median(host):.3f} ms  syncs {syncs_in(fn)}")
+              f"host {host_ms(fn, 5):.3f} ms  syncs {syncs_in(fn)}")
 
 
 if __name__ == "__main__":

@@ -23,19 +23,9 @@ import time
 
 import torch
 
+from eager_vs_graph import host_ms
 from sdm_ops import bench, ops
 from sdm_ops.kernels import wy_solve as kw
-
-
-def host_ms(fn, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def profile(fn, calls: int, top: int) -> None:
@@ -61,7 +51,7 @@ def launch_us(fn, calls: int = 200) -> float:
         if i % 50 == 0:
             torch.cuda.synchronize()
             for _ in range(20):
-                busy.mul_(1.0)           # about 1 ms of GPU work queued ahead
+                busy.mul_(1.0)           # about 10 ms of GPU work queued ahead
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -91,11 +81,11 @@ def main() -> None:
     X, QX = torch.empty_like(A), torch.empty_like(A)
     ops.wy_solve(A, beta, QK)
     diag, grid, (warps, stages) = kw._fwd_diag_kernel, (N, -(-C // kw.TILE)), kw._DIAG_CONFIG
-    print(f"=== one WY solve forward (two kernels), host us a call: "
-          f"operator {launch_us(lambda: ops.wy_solve(A, beta, QK)):.1f}, "
-          f"launcher {launch_us(lambda: kw.wy_solve_fwd(A, beta, QK, X, QX)):.1f}, "
-          f"first kernel's JITFunction.run alone "
-          f"{launch_us(lambda: diag[grid](A, beta, X, C=C, num_warps=warps, num_stages=stages)):.1f}")
+    op = launch_us(lambda: ops.wy_solve(A, beta, QK))
+    launcher = launch_us(lambda: kw.wy_solve_fwd(A, beta, QK, X, QX))
+    alone = launch_us(lambda: diag[grid](A, beta, X, C=C, num_warps=warps, num_stages=stages))
+    print(f"=== one WY solve forward (two kernels), host us a call: operator {op:.1f}, "
+          f"launcher {launcher:.1f}, first kernel's JITFunction.run alone {alone:.1f}")
 
 
 if __name__ == "__main__":
