@@ -2,8 +2,8 @@
 and the WY solve) across launch configurations, kernel by kernel.
 
 Each configuration runs in a process of its own (so that a swapped sort is compiled afresh):
-``SW:PW[:tlsort]`` (or ``default``) is the sort kernel's warps, the one-window pairs kernels' warps and, with
-``tlsort``, Triton's ``tl.sort`` in place of the package's bitonic network. Each prints the
+``SW:PW[:tlsort]`` (or ``default``) is the sort kernel's warps, the one-window pairs kernels'
+warps and, with ``tlsort``, Triton's ``tl.sort`` in place of the package's bitonic network. Each prints the
 kernels' mean times (torch.profiler, over ``--reps`` calls of phase 1's forward and backward
 on the reference workload, float32 bank with decay) and whether the outputs are bitwise those
 of the first configuration.

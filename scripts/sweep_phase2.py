@@ -39,7 +39,8 @@ def main() -> None:
           f"snapshot {args.snapshot}")
     copy_ms = bench._time_ms(lambda: a["bank"].clone(), reps=10)
     print(f"one copy of the bank (included once in fwd, twice in bwd): {copy_ms:.3f} ms")
-    print(f"{'tile x warps':<14}{'fwd ms':>9}{'in-place':>9}{'bwd ms':>9}  max rel. diff from first")
+    print(f"{'tile x warps':<14}{'fwd ms':>9}{'in-place':>9}{'bwd ms':>9}"
+          "  max rel. diff from first")
     for cfg in args.configs.split(","):
         tile, warps = (int(x) for x in cfg.split("x"))
         kf._TILE, kf._NUM_WARPS, kb._NUM_WARPS = tile, warps, warps
@@ -61,7 +62,9 @@ def main() -> None:
         if base is None:
             base, diff = result, "-"
         else:
-            diff = f"{max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(result, base)):.1e}"
+            rel = max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+                      for x, y in zip(result, base))
+            diff = f"{rel:.1e}"
         print(f"{cfg:<14}{fwd_ms:>9.3f}{inplace_ms:>9.3f}{bwd_ms:>9.3f}  {diff}")
         del out, bank_out, snap, scale, res, delta, grads, result
         torch.cuda.empty_cache()
