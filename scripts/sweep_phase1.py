@@ -3,10 +3,10 @@ and the WY solve) across launch configurations, kernel by kernel.
 
 Each configuration runs in a process of its own (so that a swapped sort is compiled afresh):
 ``SW:PW[:tlsort]`` (or ``default``) is the sort kernel's warps, the one-window pairs kernels'
-warps and, with ``tlsort``, Triton's ``tl.sort`` in place of the package's bitonic network. Each prints the
-kernels' mean times (torch.profiler, over ``--reps`` calls of phase 1's forward and backward
-on the reference workload, float32 bank with decay) and whether the outputs are bitwise those
-of the first configuration.
+warps and, with ``tlsort``, Triton's ``tl.sort`` in place of the package's bitonic network.
+Each prints the kernels' mean times (torch.profiler, over ``--reps`` calls of phase 1's forward
+and backward on the reference workload, float32 bank with decay) and whether the outputs are
+bitwise those of the first configuration.
 Usage on a GPU machine: ``python scripts/sweep_phase1.py [--configs 8:4,4:4,16:4,8:4:tlsort]``;
 ``PYTHONPATH=.ab/NAME python scripts/sweep_phase1.py --configs default --compare FILE`` for
 package copies (made as for ``ab_phase2.py``).
