@@ -64,7 +64,9 @@ def product_key_topk(raw: Tensor, factors: Sequence[int], k: int) -> TopK:
     Example::
 
         >>> raw = torch.randn(4, 10, 32 + 32)
-        >>> val, lin = sdm_ops.product_key_topk(raw, (32, 32), k=8)   # [4, 10, 8] each
+        >>> val, lin = sdm_ops.product_key_topk(raw, (32, 32), k=8)
+        >>> val.shape, lin.shape, lin.dtype
+        (torch.Size([4, 10, 8]), torch.Size([4, 10, 8]), torch.int64)
     """
     check_tensor("raw", raw, dtypes=(torch.float32, torch.bfloat16))
     dims = check_factors(factors)

@@ -282,6 +282,8 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
         >>> out, bank = sdm_ops.sparse_delta_memory(
         ...     v, beta, write_idx, torch.rand(B, T, H, W), read_idx, torch.rand(B, T, H, R),
         ...     torch.zeros(H, S, D))
+        >>> out.shape, bank.shape
+        (torch.Size([2, 100, 4, 64]), torch.Size([2, 4, 4096, 64]))
     """
     _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
                 cu_seqlens, inplace=False)
@@ -329,9 +331,14 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
 
     Example::
 
+        >>> B, T, H, D, S, W, R = 2, 1, 4, 64, 4096, 8, 8
         >>> bank = torch.zeros(B, H, S, D)
-        >>> out = sdm_ops.sparse_delta_memory_(bank, v[:, :1], beta[:, :1], write_idx[:, :1],
-        ...                                    write_w[:, :1], read_idx[:, :1], read_w[:, :1])
+        >>> out = sdm_ops.sparse_delta_memory_(
+        ...     bank, torch.randn(B, T, H, D), torch.rand(B, T, H),
+        ...     torch.randint(0, S, (B, T, H, W)), torch.rand(B, T, H, W),
+        ...     torch.randint(0, S, (B, T, H, R)), torch.rand(B, T, H, R))
+        >>> out.shape, bool(bank.any())      # the bank now holds the token's writes
+        (torch.Size([2, 1, 4, 64]), True)
     """
     _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, "none",
                 cu_seqlens, inplace=True)

@@ -34,6 +34,8 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> WYSolution:
 
         >>> A, QK = torch.randn(2, 3, 16, 16).unbind(0)
         >>> X, QX = sdm_ops.wy_solve(A, torch.rand(3, 16), QK)
+        >>> X.shape, bool((X.diagonal(dim1=1, dim2=2) == 1).all())
+        (torch.Size([3, 16, 16]), True)
     """
     check_tensor("A", A, ndim=3, dtypes=(torch.float32,))
     check_tensor("beta", beta, ndim=2, dtypes=(torch.float32,))
