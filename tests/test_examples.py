@@ -100,7 +100,6 @@ def test_cuda_readme_decode_graph_example_matches_eager_decoding():
     ns = run_examples({}, "Quick start")
     assert ns["dev"] == "cuda"
     run_examples(ns, "Capture a CUDA graph for decoding")
-    import sdm_ops
     B, T, H, S, D = (ns[n] for n in ("B", "T", "H", "S", "D"))
     eager = ns["bank"].expand(B, H, S, D).clone()
     for t in range(T):
