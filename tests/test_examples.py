@@ -10,6 +10,7 @@ docstrings' examples run as doctests: each states the shapes it returns.
 from __future__ import annotations
 
 import doctest
+import functools
 import importlib
 import pathlib
 import pkgutil
@@ -18,11 +19,12 @@ import pytest
 import torch
 
 import sdm_ops
-from tests.helpers import requires_cuda
+from tests.helpers import make_sdm_inputs, requires_cuda
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+@functools.cache
 def readme_examples() -> dict[str, list[str]]:
     """The README's ```python blocks by the title of the section they sit in, in order."""
     examples: dict[str, list[str]] = {}
@@ -80,13 +82,7 @@ def test_readme_variable_length_example_runs():
     ns = run_examples({}, "Quick start")
     H, D, S, W, R, dev = (ns[n] for n in ("H", "D", "S", "W", "R", "dev"))
     T = 4000
-    ns.update(v=torch.randn(1, T, H, D, device=dev), beta=torch.rand(1, T, H, device=dev),
-              write_idx=torch.randint(0, S, (1, T, H, W), device=dev),
-              read_idx=torch.randint(0, S, (1, T, H, R), device=dev),
-              write_w=torch.rand(1, T, H, W, device=dev),
-              read_w=torch.rand(1, T, H, R, device=dev),
-              decay=torch.rand(1, T, H, W, device=dev),
-              bank=torch.randn(H, S, D, device=dev))
+    ns.update(make_sdm_inputs(1, T, H, D, S, W, R, shared=True, device=dev))
     run_examples(ns, "Variable-length batches")
     assert ns["out"].shape == (1, T, H, D)
     banks = ns["banks"]
@@ -126,7 +122,7 @@ def test_documented_modules_are_every_module_with_examples():
 @pytest.mark.parametrize("name", DOCUMENTED_MODULES)
 def test_docstring_examples_run_and_print_what_they_show(name):
     module = importlib.import_module(name)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner = doctest.DocTestRunner()
     tests = doctest.DocTestFinder().find(
         module, extraglobs={"torch": torch, "sdm_ops": sdm_ops})
     assert any(t.examples for t in tests), f"{name} has no docstring example"
