@@ -109,7 +109,8 @@ case "$PART" in
                    compile_tests/test_compile_ops.py compile_tests/test_compile_layer.py
                    compile_tests/test_cuda_graphs_layer.py) ;;
     bench|ab) targets=() ;;
-    *) echo "unknown PART=$PART (all, suite, compile, tests, tests-a, tests-b, topk, bench, ab)"; exit 2 ;;
+    *) echo "unknown PART=$PART (all, suite, compile, tests, tests-a, tests-b, topk, bench, ab)"
+       exit 2 ;;
 esac
 if [ "${#targets[@]}" -gt 0 ]; then
     # pytest-xdist spreads the suite (compiles dominate) over the machine's cores.

@@ -13,7 +13,8 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 # Inductor compiles in this process: no compile workers for the sanitizer to follow.
 export TORCHINDUCTOR_COMPILE_THREADS=1
 unset PYTORCH_NO_CUDA_MEMORY_CACHING     # each pass below chooses its allocator
-SANITIZER=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)}
+SANITIZER=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer \
+    || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)}
 if [ -z "$SANITIZER" ]; then
     echo "compute-sanitizer not found (set COMPUTE_SANITIZER)" | tee -a "$LOG"
     exit 2

@@ -98,7 +98,8 @@ def _order_key(x: Tensor) -> Tensor:
     return torch.where(torch.isnan(x), torch.full_like(x, -math.inf), x) + 0.0
 
 
-def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...], k: int) -> tuple[Tensor, Tensor]:
+def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...],
+                               k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k over product keys by brute force (small factors only).
 
     The order (shared with the Triton kernels) is defined factor by factor. Factor 0 ranks its
@@ -140,7 +141,8 @@ def _rank(score: Tensor, tie: Tensor) -> Tensor:
     return rank
 
 
-def product_key_topk_backward_reference(lin: Tensor, grad_val: Tensor, factors: tuple[int, ...]) -> Tensor:
+def product_key_topk_backward_reference(lin: Tensor, grad_val: Tensor,
+                                        factors: tuple[int, ...]) -> Tensor:
     """grad_raw [..., sum(factors)] float32: each selected slot adds its value gradient to the
     one column of each factor that it sums."""
     lead = lin.shape[:-1]
@@ -312,7 +314,7 @@ def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkW
     one = torch.ones((), dtype=cd, device=slot.device)
     # dec_on[x, t]: decay that token t applies to the slot of entry x (product over its entries).
     dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)       # [P, E, C]
-    rdec_on = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)     # [P, Er, C]
+    rdec_on = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)    # [P, Er, C]
     # since[b, i] = Gamma_{i/j} on b's slot, j = b's token (1 for i <= j).
     since = torch.cumprod(torch.where(tok[None, None, :] > tok_b[None, :, None], dec_on, one), -1)
     upto = torch.cumprod(dec_on, -1)                                                     # [P, E, C]
@@ -322,7 +324,7 @@ def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkW
     scatter_w = w_b * since[..., C - 1]
     row_decay = upto[..., C - 1]
     # Pair terms: w_a w_b Gamma_{i/j} for entries a (token i) and b (token j) on one slot.
-    since_at_a = since.transpose(1, 2)[:, tok_b, :]                                      # [P, E(a), E(b)]
+    since_at_a = since.transpose(1, 2)[:, tok_b, :]                                # [P, E(a), E(b)]
     pair = torch.where(same, w_b[:, :, None] * w_b[:, None, :] * since_at_a, 0)
     A = torch.tril(pair.reshape(P, C, W, C, W).sum((2, 4)), -1)
     since_at_r = since.transpose(1, 2)[:, tok_r, :]
@@ -341,7 +343,8 @@ def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkW
 def _gather_rows(M: Tensor, slot: Tensor) -> Tensor:
     """Rows M[p, slot] ([P, S, D], slot [P, N]) -> [P, N, D], zero for padding."""
     rows = torch.gather(M, 1, slot.clamp(min=0)[..., None].expand(*slot.shape, M.shape[-1]))
-    return torch.where((slot >= 0)[..., None], rows, torch.zeros((), dtype=M.dtype, device=M.device))
+    zero = torch.zeros((), dtype=M.dtype, device=M.device)
+    return torch.where((slot >= 0)[..., None], rows, zero)
 
 
 SNAPSHOT_MODES = ("none", "bf16", "fp8", "int4")
@@ -404,7 +407,8 @@ def chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_ro
         e = write_w.new_zeros(B, T, H, W, dtype=cd)
         R = read_idx.shape[-1]
         return Prepared(z, z.clone(), e, read_w.new_zeros(B, T, H, R, dtype=cd),
-                        e.clone(), e + 1, torch.zeros(B, T, H, W, dtype=torch.int32, device=e.device),
+                        e.clone(), e + 1,
+                        torch.zeros(B, T, H, W, dtype=torch.int32, device=e.device),
                         torch.zeros(B, T, H, R, dtype=torch.int32, device=e.device))
 
     def entries(x):
@@ -437,7 +441,8 @@ def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:
         codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(rows.shape)
         codes = codes.view(torch.uint8)
     else:
-        q = (torch.floor(x + 0.5).clamp(-INT4_MAX, INT4_MAX) + 8).to(torch.uint8).reshape(rows.shape)
+        q = torch.floor(x + 0.5).clamp(-INT4_MAX, INT4_MAX) + 8
+        q = q.to(torch.uint8).reshape(rows.shape)
         codes = q[..., 0::2] | (q[..., 1::2] << 4)
     return codes, scale.squeeze(-1).to(torch.float32)
 
@@ -510,7 +515,8 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         return from_streams(_unchunked(x, P, T), B, H)
 
     rows = tokens(snaps, write_idx.shape[-1] + read_idx.shape[-1], D)
-    snap, snap_scale = quantize_rows(rows.to(torch.float32) if snapshot != "none" else rows, snapshot)
+    snap, snap_scale = quantize_rows(rows.to(torch.float32) if snapshot != "none" else rows,
+                                     snapshot)
     if snapshot == "none":
         snap = snap.to(bank.dtype if cd == torch.float32 else cd)
     return (tokens(outs, D), M.reshape(B, H, S, D), snap, snap_scale, tokens(resids, D),
@@ -564,10 +570,12 @@ def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
 
     slot = chunks(_entries(write_idx, write_idx, S)[0], -1)
     rslot = chunks(_entries(read_idx, read_idx, S)[0], -1)
-    gw, sw, rd = chunks(prep.gather_w.to(cd), 0), chunks(prep.scatter_w.to(cd), 0), chunks(prep.row_decay.to(cd), 1)
+    gw, sw = chunks(prep.gather_w.to(cd), 0), chunks(prep.scatter_w.to(cd), 0)
+    rd = chunks(prep.row_decay.to(cd), 1)
     gr = chunks(prep.gather_r.to(cd), 0)
     first = (chunks(prep.rank, 1) == 0) & (slot >= 0)
-    bs, rs, dl, do = chunks(beta.to(cd), 0), chunks(res.to(cd), 0), chunks(delta.to(cd), 0), chunks(dout, 0)
+    bs, rs = chunks(beta.to(cd), 0), chunks(res.to(cd), 0)
+    dl, do = chunks(delta.to(cd), 0), chunks(dout, 0)
     snaps = chunks(rows, 0)
     N = bs.shape[0] // P if P else 0
     Xs, QXs = X.to(cd).reshape(P, N, C, C), QX.to(cd).reshape(P, N, C, C)
@@ -591,11 +599,13 @@ def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         dret = -bs[c][..., None] * du
         parts["dgw"][n] = (dret[:, :, None, :] * wrows).sum(-1)
         parts["dgr"][n] = (do[c][:, :, None, :] * rrows).sum(-1)
-        add = torch.where(fr[..., None], (rd[c][..., None] - 1) * dm1, 0) + gw[c][..., None] * dret[:, :, None, :]
+        add = (torch.where(fr[..., None], (rd[c][..., None] - 1) * dm1, 0)
+               + gw[c][..., None] * dret[:, :, None, :])
         add = torch.where((flat >= 0)[..., None], add.reshape(P, -1, D), 0)
         dM = dM.scatter_add(1, flat.clamp(min=0)[..., None].expand(*flat.shape, D), add)
         rflat = rsl.reshape(P, -1)
-        radd = torch.where((rflat >= 0)[..., None], (gr[c][..., None] * do[c][:, :, None, :]).reshape(P, -1, D), 0)
+        radd = (gr[c][..., None] * do[c][:, :, None, :]).reshape(P, -1, D)
+        radd = torch.where((rflat >= 0)[..., None], radd, 0)
         dM = dM.scatter_add(1, rflat.clamp(min=0)[..., None].expand(*rflat.shape, D), radd)
 
     def tokens(name, *shape):
@@ -625,7 +635,7 @@ def _chunk_weights_backward(write_idx, write_w, read_idx, read_w, decay, s: int,
     dev = s_b.device
     tok = torch.arange(C, device=dev)
     te, ti = tok.repeat_interleave(W), tok.repeat_interleave(R)
-    wsame = (s_b[:, :, None] == s_r[:, None, :]) & ok_b[:, :, None] & ok_r[:, None, :]   # [P, E, Er]
+    wsame = (s_b[:, :, None] == s_r[:, None, :]) & ok_b[:, :, None] & ok_r[:, None, :]  # [P, E, Er]
     one = torch.ones((), dtype=cd, device=dev)
 
     def per_token(match, vals, n):      # [P, X, C * n] -> sum over a token's entries: [P, X, C]
@@ -658,14 +668,14 @@ def _chunk_weights_backward(write_idx, write_w, read_idx, read_w, decay, s: int,
           + d_self * torch.where(before, dA_row * K * back, 0).sum(-1))
     fwdK = torch.where(from_te, fwd * K, 0)
     fwdQ = torch.where(from_te, fwd * Q, 0)
-    Z = fwdK @ dA + fwdQ @ dQK                                                             # [P, E, C]
+    Z = fwdK @ dA + fwdQ @ dQK                                                           # [P, E, C]
     dd = (torch.where(before, Z * K * back, 0).sum(-1)
           + fwd_end * torch.where(before, back * Gsw, 0).sum(-1)
           + ub * (torch.where(from_te, fwd * Gs, 0).sum(-1) + fwd_end * Rd))
     d_decay = torch.where(ok_b, dd * others, 0)
     dw = torch.where(ok_b, dw, 0)
     # Read entries.
-    rdec = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)         # [P, Er, C]
+    rdec = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)       # [P, Er, C]
     Kr = per_token(rsame, w_b, W)
     ti_ = ti[None, :, None]
     upto_r = t_ <= ti_
@@ -821,7 +831,8 @@ def recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
             snap = r[2].new_zeros(1, T, *r[2].shape[2:])
             scaled = snapshot in ("fp8", "int4")
             snap_scale = r[3].new_ones(1, T, H, E, D // QUANT_GROUP) if scaled else r[3]
-        out[:, tok], bank_out[n], snap[:, tok], res[:, tok], delta[:, tok] = r[0], r[1][0], r[2], r[4], r[5]
+        out[:, tok], bank_out[n], snap[:, tok] = r[0], r[1][0], r[2]
+        res[:, tok], delta[:, tok] = r[4], r[5]
         if snap_scale.numel():
             snap_scale[:, tok] = r[3]
     return out, bank_out, snap, snap_scale, res, delta

@@ -49,7 +49,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, n
     and by how much the tensors differ."""
     actual = actual.detach().to(torch.float64).cpu()
     expected = expected.detach().to(torch.float64).cpu()
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     scale = expected.abs().max().item() if expected.numel() else 0.0
     tol = rtol * max(scale, 1.0) if atol is None else atol + rtol * scale
     diff = (actual - expected).abs()

@@ -41,8 +41,8 @@ def _oracle(a, g_out, g_bank, chunk_size=16):
     for n in names:
         b[n].requires_grad_()
     out, bank = ref.sdm_chunked_reference(*(b.get(k) for k in ORDER), chunk_size=chunk_size)
-    grads = torch.autograd.grad((out * g_out.cpu().double()).sum() + (bank * g_bank.cpu().double()).sum(),
-                                [b[n] for n in names])
+    loss = (out * g_out.cpu().double()).sum() + (bank * g_bank.cpu().double()).sum()
+    grads = torch.autograd.grad(loss, [b[n] for n in names])
     return dict(zip(names, grads))
 
 

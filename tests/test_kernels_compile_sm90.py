@@ -99,7 +99,8 @@ for module, name, sig, consts, options in json.load(sys.stdin):
     kernel = getattr(importlib.import_module(module), name)
     index = {n: i for i, n in enumerate(kernel.arg_names)}
     try:
-        src = ASTSource(fn=kernel, signature=sig, constexprs={(index[k],): v for k, v in consts.items()})
+        constexprs = {(index[k],): v for k, v in consts.items()}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:
         failures.append(f"{name} {consts}: {str(e).strip().splitlines()[-1][:400]}")

@@ -76,7 +76,8 @@ def assert_same_topk(raw, factors, k):
     bits = torch.int16 if raw.dtype == torch.bfloat16 else torch.int32
     same = (val.view(bits) == rval.view(bits)) | (val.isnan() & rval.isnan())
     assert bool(same.all()), (f"factors {factors} k {k}: val differs at "
-                              f"{(~same).nonzero()[0].tolist()}: {val[~same][:4]} vs {rval[~same][:4]}")
+                              f"{(~same).nonzero()[0].tolist()}: "
+                              f"{val[~same][:4]} vs {rval[~same][:4]}")
 
 
 # ---------------------------------------------------------------------------
@@ -85,8 +86,8 @@ def assert_same_topk(raw, factors, k):
 
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("factors", [(13,), (6, 5), (3, 7), (4, 3, 5), (5, 1, 4), (2, 3, 2, 2), (3, 2, 3, 2)],
-                         ids=str)
+@pytest.mark.parametrize("factors", [(13,), (6, 5), (3, 7), (4, 3, 5), (5, 1, 4), (2, 3, 2, 2),
+                                     (3, 2, 3, 2)], ids=str)
 def test_forward_matches_reference_for_one_to_four_factors(factors, dtype):
     for k in (1, 3, 8, math.prod(factors), 256):
         assert_same_topk(make_raw((5,), factors, dtype, seed=k), factors, k)

@@ -63,7 +63,8 @@ def test_full_addressing_is_the_dense_delta_rule(gate):
     with one decay per token, DeltaNet without decay."""
     g = torch.Generator().manual_seed(7)
     B, T, H, S, D = 2, 23, 2, 8, 16
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, S, generator=g, dtype=torch.float64), dim=-1)
+    k = torch.randn(B, T, H, S, generator=g, dtype=torch.float64)
+    k = torch.nn.functional.normalize(k, dim=-1)
     q = torch.randn(B, T, H, S, generator=g, dtype=torch.float64)
     v = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
     beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
@@ -71,7 +72,8 @@ def test_full_addressing_is_the_dense_delta_rule(gate):
     if gate == "kda":
         decay = torch.rand(B, T, H, S, generator=g, dtype=torch.float64) * 0.5 + 0.5
     elif gate == "gated_deltanet":
-        decay = (torch.rand(B, T, H, 1, generator=g, dtype=torch.float64) * 0.5 + 0.5).expand(B, T, H, S)
+        decay = torch.rand(B, T, H, 1, generator=g, dtype=torch.float64) * 0.5 + 0.5
+        decay = decay.expand(B, T, H, S)
     else:
         decay = torch.ones(B, T, H, S, dtype=torch.float64)
     idx = torch.arange(S).expand(B, T, H, S)

@@ -60,7 +60,8 @@ def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, e
 
 
 @pytest.mark.parametrize("option,value,error", [
-    ("chunk_size", 48, ValueError), ("chunk_size", 64.0, TypeError), ("chunk_size", True, TypeError),
+    ("chunk_size", 48, ValueError), ("chunk_size", 64.0, TypeError),
+    ("chunk_size", True, TypeError),
     ("snapshot", "fp16", ValueError), ("snapshot", None, ValueError)])
 def test_bad_options_raise_naming_the_option(option, value, error):
     with pytest.raises(error, match=option):

@@ -155,7 +155,8 @@ def _prepare_chunk(
         rhit = s_r[:, :, None] == s_t[None, None, :]                     # [BJ, RP, WP]
         rd = _lastprod(tl.where(rhit, d_t[None, None, :], 1.0), BJ, RP, WP)
         rupto = tl.where(t > jj[:, None], rupto, rupto * rd)
-        rr = (s_r[:, :, None] == q_t[None, None, :]) & ((t * RP + orr)[None, None, :] < flat_r[:, :, None])
+        rr = ((s_r[:, :, None] == q_t[None, None, :])
+              & ((t * RP + orr)[None, None, :] < flat_r[:, :, None]))
         rcnt += tl.sum(rr.to(tl.int32), 2)
 
     tl.store(gather_w + w_off, w_b * upto, mask=w_ok)
@@ -740,12 +741,12 @@ def _chunk_sort_bwd_kernel(
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
     else:
         d = tl.full((NP,), 1.0, tl.float32)
-    tl.store(d_write_w + wo, gw * d + tl.load(d_scatter_w + wo, mask=ok_w, other=0.0).to(tl.float32),
-             mask=lone_w)
+    dsw = tl.load(d_scatter_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+    tl.store(d_write_w + wo, gw * d + dsw, mask=lone_w)
     if HAS_DECAY:
         w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
-        tl.store(d_decay + wo, gw * w + tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32),
-                 mask=lone_w)
+        drd = tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32)
+        tl.store(d_decay + wo, gw * w + drd, mask=lone_w)
     tl.store(d_read_w + ro, tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32),
              mask=lone_r)
 
@@ -1067,7 +1068,8 @@ def _pair_grads(same, lower, group, dg, first, gam, pair, g, w, d, is_read,
     dw = tl.where(is_read, dgr * pincl, dgw * pincl + dsw * sexcl)
     dw += tl.sum(hm * w[None, :], 1) + tl.sum(hm * w[:, None], 0)
     # Gx[c, b] = Gamma[c - 1, b] (b < c): the rows of Gamma moved down by one.
-    gx = tl.where(same & lower, tl.gather(gam, tl.maximum(a - 1, 0)[:, None] + 0 * a[None, :], 0), 0.0)
+    gx = tl.gather(gam, tl.maximum(a - 1, 0)[:, None] + 0 * a[None, :], 0)
+    gx = tl.where(same & lower, gx, 0.0)
     y = tl.where(is_read, dgr, dgw) * w
     z = tl.where(is_read, 0.0, dsw * w)
     on_slot = tl.sum(tl.where(same & ~is_read[None, :], drd[None, :], 0.0), 1)

@@ -95,9 +95,8 @@ def recurrence_bwd_fake(beta, write_idx, read_idx, gather_w, gather_r, scatter_w
     banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
     wd = res.dtype
     return (res.new_empty((B, T, H, D), dtype=v_dtype), res.new_empty((B, T, H), dtype=wd),
-            gather_w.new_empty(gather_w.shape, dtype=wd), gather_r.new_empty(gather_r.shape, dtype=wd),
-            scatter_w.new_empty(scatter_w.shape, dtype=wd), row_decay.new_empty(row_decay.shape, dtype=wd),
-            X.new_empty(X.shape, dtype=wd), QX.new_empty(QX.shape, dtype=wd),
+            *(x.new_empty(x.shape, dtype=wd)
+              for x in (gather_w, gather_r, scatter_w, row_decay, X, QX)),
             res.new_empty((banks, H, bank_rows, D), dtype=wd))
 
 
