@@ -39,10 +39,11 @@
 #                  at 75eee53 445 passed, 3 skipped in 313 s, the widest 6 in 121 s; at
 #                  de363b1 445 and 3 in 278 s, the widest 6 in 121 s; at 7dfa939 445 and 3
 #                  in 277 s, the widest 6 in 133 s; at 919e706 445 and 3 in 297 s, the widest
-#                  6 in 148 s);
+#                  6 in 148 s; at 01c19fd 445 and 3 in 293 s, the widest 6 in 153 s);
 #                  the rest of the suite then fits one call:
 #                  pytest -n 15 tests compile_tests --ignore= those files, 328 s; 420 s at
-#                  de72bb7, 341 s at de363b1, 308 s at 7dfa939, 353 s at 919e706)
+#                  de72bb7, 341 s at de363b1, 308 s at 7dfa939, 353 s at 919e706; 410 s at
+#                  01c19fd with tests/test_examples.py)
 #   bench          python -m sdm_ops.bench --addressing --scaling and python -m sdm_ops.bench_topk
 #                  (one H200, fla-core carried: about 300 s before --addressing; at 653682b the
 #                  run with --addressing reached only its second addressing row in 370 s, so
