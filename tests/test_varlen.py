@@ -251,3 +251,34 @@ def test_kernels_bfloat16_and_no_write_or_no_read_entries_equal_each_sequence_al
     assert_close(got[1], want[1], rtol=1e-2, name="bank")
     for k in got[2]:
         assert_close(got[2][k], want[2][k], rtol=1e-2, name=f"d{k}")
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_kernels_strided_cu_seqlens_equals_contiguous(dtype):
+    """A strided view of valid offsets gives the same chunk tables, output, bank and gradients
+    as the same offsets contiguous (the kernel reads cu_seqlens through its stride)."""
+    a = packed_inputs([9, 0, 2, 0, 2, 11], device=KERNEL_DEVICE, seed=21, decay=True)
+    every_other = torch.stack([a["cu_seqlens"], a["cu_seqlens"] + 100], 1).to(dtype)[:, 0]
+    assert every_other.stride(0) == 2 and not every_other.is_contiguous()
+    g_out, g_bank = grads_for(a, 22)
+    T = a["v"].shape[1]
+    with on_kernels():
+        tables = sdm_ops.ops.varlen_chunks(every_other, T, 16)
+        want_tables = sdm_ops.ops.varlen_chunks(every_other.contiguous(), T, 16)
+        got = run_with_grads(sdm_ops.sparse_delta_memory, dict(a, cu_seqlens=every_other),
+                             g_out, g_bank, chunk_size=16)
+        want = run_with_grads(sdm_ops.sparse_delta_memory,
+                              dict(a, cu_seqlens=every_other.contiguous()), g_out, g_bank,
+                              chunk_size=16)
+        bank = a["bank"].clone()
+        out_ = sdm_ops.sparse_delta_memory_(bank, a["v"], a["beta"], a["write_idx"],
+                                            a["write_w"], a["read_idx"], a["read_w"],
+                                            a["decay"], chunk_size=16, cu_seqlens=every_other)
+    for t, w in zip(tables, want_tables):
+        assert torch.equal(t, w), (t, w)
+    assert torch.equal(got[0], want[0]), "out differs with a strided cu_seqlens"
+    assert torch.equal(got[1], want[1]), "bank differs with a strided cu_seqlens"
+    for k in got[2]:
+        assert torch.equal(got[2][k], want[2][k]), f"d{k} differs with a strided cu_seqlens"
+    assert torch.equal(out_, want[0]) and torch.equal(bank, want[1]), "in place differs"

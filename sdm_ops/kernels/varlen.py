@@ -7,7 +7,7 @@ take the slots first_n .. first_n + k_n - 1, first_n = k_0 + ... + k_{n-1}. Slot
 n, j = s - first_n, starts at token cu[n] + j C and holds min(len_n - j C, C) tokens; slots no
 sequence takes hold (0, 0).
 
-Layout. ``cu_seqlens`` [N + 1] int32 or int64; ``chunks`` [NC, 2] int64, NC = ceil(T / C) + N,
+Layout. ``cu_seqlens`` [N + 1] int32 or int64, any stride (read through ``stride_cu``); ``chunks`` [NC, 2] int64, NC = ceil(T / C) + N,
 (first token, token count) per slot; ``seq_chunks`` [N + 1] int64, the first slot of each
 sequence and the end, clamped to NC (malformed offsets can ask for more slots than NC: the
 tables then stop at NC, and every chunk still lies inside the T tokens).
@@ -30,8 +30,8 @@ _BN = 64        # sequences per step of the walk
 
 
 @triton.jit
-def _varlen_chunks_kernel(cu_seqlens, chunks, seq_chunks, T, N, NC, C: tl.constexpr,
-                          BS: tl.constexpr, BN: tl.constexpr):
+def _varlen_chunks_kernel(cu_seqlens, chunks, seq_chunks, T, N, NC, stride_cu,
+                          C: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
     pid = tl.program_id(0)
     slot = pid * BS + tl.arange(0, BS).to(tl.int64)
     start = tl.zeros([BS], dtype=tl.int64)
@@ -40,8 +40,8 @@ def _varlen_chunks_kernel(cu_seqlens, chunks, seq_chunks, T, N, NC, C: tl.conste
     for n0 in range(0, N, BN):
         n = n0 + tl.arange(0, BN)
         live = n < N
-        lo = tl.load(cu_seqlens + n, mask=live, other=0).to(tl.int64)
-        hi = tl.load(cu_seqlens + n + 1, mask=live, other=0).to(tl.int64)
+        lo = tl.load(cu_seqlens + n * stride_cu, mask=live, other=0).to(tl.int64)
+        hi = tl.load(cu_seqlens + (n + 1) * stride_cu, mask=live, other=0).to(tl.int64)
         lo = tl.minimum(tl.maximum(lo, 0), T)
         hi = tl.minimum(tl.maximum(hi, 0), T)
         length = tl.where(live, tl.maximum(hi - lo, 0), 0)
@@ -67,4 +67,5 @@ def varlen_chunks(cu_seqlens: torch.Tensor, T: int, chunk_size: int, chunks: tor
     """Fill ``chunks`` [NC, 2] and ``seq_chunks`` [N + 1] (int64) from ``cu_seqlens``."""
     NC, N = chunks.shape[0], cu_seqlens.shape[0] - 1
     wrap_triton(_varlen_chunks_kernel)[(triton.cdiv(NC, _BS),)](
-        cu_seqlens, chunks, seq_chunks, T, N, NC, C=chunk_size, BS=_BS, BN=_BN, num_warps=4)
+        cu_seqlens, chunks, seq_chunks, T, N, NC, cu_seqlens.stride(0), C=chunk_size, BS=_BS,
+        BN=_BN, num_warps=4)
