@@ -35,7 +35,7 @@ def run_sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
 
 
 def run_sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None):
-    return sdm_ops.sparse_delta_memory_(bank, v, beta, write_idx, write_w, read_idx, read_w,
+    return sdm_ops.sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank,
                                         decay, chunk_size=CHUNK)
 
 
@@ -125,7 +125,7 @@ def test_cuda_graph_decode_steps_replay_equal_eager_steps():
     bank = a["bank"].clone()
 
     def step(bank_, inputs):
-        return sdm_ops.sparse_delta_memory_(bank_, *inputs)
+        return sdm_ops.sparse_delta_memory_(*inputs[:6], bank_, *inputs[6:])
 
     scratch = bank.clone()
     graph, static_out = capture(lambda: step(bank, static_in),
@@ -170,7 +170,7 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
 
     def in_place_on_copy(a):
         bank = a["bank"].clone()
-        out = sdm_ops.sparse_delta_memory_(bank, *(a[k] for k in rest))
+        out = sdm_ops.sparse_delta_memory_(**{k: a[k] for k in rest}, bank=bank)
         return out, bank
 
     a = make_sdm_inputs(**shape, seed=41)

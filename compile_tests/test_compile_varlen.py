@@ -71,7 +71,7 @@ def test_cuda_graph_with_static_cu_seqlens_replays_new_offsets():
     bank = a["bank"].clone()
 
     def step():
-        return sdm_ops.sparse_delta_memory_(bank, **static, cu_seqlens=static_cu,
+        return sdm_ops.sparse_delta_memory_(bank=bank, **static, cu_seqlens=static_cu,
                                             chunk_size=CHUNK)
 
     graph, static_out = capture(step)
@@ -83,7 +83,7 @@ def test_cuda_graph_with_static_cu_seqlens_replays_new_offsets():
         bank.copy_(b["bank"])
         graph.replay()
         want_bank = b["bank"].clone()
-        want_out = sdm_ops.sparse_delta_memory_(want_bank, **{k: b[k] for k in rest},
+        want_out = sdm_ops.sparse_delta_memory_(bank=want_bank, **{k: b[k] for k in rest},
                                                 cu_seqlens=new_cu, chunk_size=CHUNK)
         torch.cuda.synchronize()
         torch.testing.assert_close(static_out, want_out, rtol=0, atol=0,

@@ -131,7 +131,7 @@ def in_place_fn(a: dict, chunk_size: int):
     call; the time does not depend on the values)."""
     bank = a["bank"].clone()
     rest = {k: t for k, t in a.items() if k != "bank"}
-    return lambda: sdm_ops.sparse_delta_memory_(bank, **rest, chunk_size=chunk_size)
+    return lambda: sdm_ops.sparse_delta_memory_(bank=bank, **rest, chunk_size=chunk_size)
 
 
 def forward_backward_fn(a: dict, chunk_size: int, **kw):
@@ -259,7 +259,7 @@ def decode_step_us(B, H, D, S, W, R, *, bank_dtype) -> float:
     graph: microseconds per replay, over 200 replays."""
     a = make_workload(B, 1, H, D, S, W, R, decay=True, bank_dtype=bank_dtype)
     bank = a.pop("bank")
-    graph = _captured(lambda: sdm_ops.sparse_delta_memory_(bank, **a))
+    graph = _captured(lambda: sdm_ops.sparse_delta_memory_(bank=bank, **a))
     n = 200
     return _time_ms(lambda: [graph.replay() for _ in range(n)], reps=5, warmup=1) * 1e3 / n
 

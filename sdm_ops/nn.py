@@ -199,7 +199,7 @@ class SparseDeltaMemory(nn.Module):
         self._check_x(x)
         self._check_state(state, x, cu_seqlens)
         a = self._inputs(x)
-        out = sparse_delta_memory_(state, a["v"], a["beta"], a["write_idx"], a["write_w"],
-                                   a["read_idx"], a["read_w"], a["decay"],
+        out = sparse_delta_memory_(a["v"], a["beta"], a["write_idx"], a["write_w"],
+                                   a["read_idx"], a["read_w"], state, a["decay"],
                                    chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         return self._output(out)

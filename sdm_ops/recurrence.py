@@ -316,11 +316,13 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     return SDMOutput(out, bank_out)
 
 
-def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor,
-                         write_w: Tensor, read_idx: Tensor, read_w: Tensor,
+def sparse_delta_memory_(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
+                         read_idx: Tensor, read_w: Tensor, bank: Tensor,
                          decay: Tensor | None = None, *, chunk_size: int = 64,
                          cu_seqlens: Tensor | None = None) -> Tensor:
     """The recurrence of :func:`sparse_delta_memory`, updating ``bank`` in place; no autograd.
+
+    The arguments are those of :func:`sparse_delta_memory`, in the same order.
 
     For inference and decoding: ``T`` may be 1, and a call makes no host synchronization once
     its arguments are checked, so it captures in a CUDA graph. ``bank`` is ``[B, H, S, D]``
@@ -334,9 +336,9 @@ def sparse_delta_memory_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tenso
         >>> B, T, H, D, S, W, R = 2, 1, 4, 64, 4096, 8, 8
         >>> bank = torch.zeros(B, H, S, D)
         >>> out = sdm_ops.sparse_delta_memory_(
-        ...     bank, torch.randn(B, T, H, D), torch.rand(B, T, H),
+        ...     torch.randn(B, T, H, D), torch.rand(B, T, H),
         ...     torch.randint(0, S, (B, T, H, W)), torch.rand(B, T, H, W),
-        ...     torch.randint(0, S, (B, T, H, R)), torch.rand(B, T, H, R))
+        ...     torch.randint(0, S, (B, T, H, R)), torch.rand(B, T, H, R), bank)
         >>> out.shape, bool(bank.any())      # the bank now holds the token's writes
         (torch.Size([2, 1, 4, 64]), True)
     """

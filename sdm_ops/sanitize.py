@@ -168,7 +168,7 @@ def sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, snapsho
 
 def sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None,
                 cu_seqlens=None):
-    return sparse_delta_memory_(bank, v, beta, write_idx, write_w, read_idx, read_w, decay,
+    return sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank, decay,
                                 chunk_size=CHUNK, cu_seqlens=cu_seqlens)
 
 

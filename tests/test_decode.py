@@ -32,7 +32,7 @@ def _step(a, kernels: bool):
     bank = a["bank"].clone()
     rest = {k: v for k, v in a.items() if k != "bank"}
     with on_kernels() if kernels else contextlib.nullcontext():
-        out = sdm_ops.sparse_delta_memory_(bank, **rest)
+        out = sdm_ops.sparse_delta_memory_(bank=bank, **rest)
     return out, bank
 
 
@@ -96,15 +96,14 @@ def test_decode_steps_equal_the_chunked_path_and_repeat_bitwise():
     rest = {k: v for k, v in a.items() if k != "bank"}
     whole = a["bank"].clone()
     with on_kernels():
-        out_whole = sdm_ops.sparse_delta_memory_(whole, **rest)
+        out_whole = sdm_ops.sparse_delta_memory_(bank=whole, **rest)
     states = []
     for _ in range(2):
         bank = a["bank"].clone()
         outs = []
         with on_kernels():
             for t in range(4):
-                outs.append(sdm_ops.sparse_delta_memory_(
-                    bank, **{k: v[:, t:t + 1] for k, v in rest.items()}))
+                outs.append(sdm_ops.sparse_delta_memory_(bank=bank, **{k: v[:, t:t + 1] for k, v in rest.items()}))
         states.append((torch.cat(outs, 1), bank))
     assert_close(states[0][0], out_whole, rtol=1e-5, name="out")
     assert_close(states[0][1], whole, rtol=1e-5, name="bank")

@@ -99,7 +99,7 @@ def test_cuda_readme_decode_graph_example_matches_eager_decoding():
     B, T, H, S, D = (ns[n] for n in ("B", "T", "H", "S", "D"))
     eager = ns["bank"].expand(B, H, S, D).clone()
     for t in range(T):
-        last = sdm_ops.sparse_delta_memory_(eager, *ns["step"](t))
+        last = sdm_ops.sparse_delta_memory_(*ns["step"](t), eager)
     torch.cuda.synchronize()
     assert torch.equal(ns["state"], eager), "the replayed decode's bank differs from eager"
     assert torch.equal(ns["out_t"], last), "the last replay's output differs from eager"

@@ -132,8 +132,8 @@ def _launches():
                 with torch.no_grad():
                     state = a["bank"].detach().clone()
                     rest = {k: v.detach() for k, v in a.items() if k != "bank"}
-                    sdm_ops.sparse_delta_memory_(state, **rest)
-                    sdm_ops.sparse_delta_memory_(state, **{k: v[:, :1] for k, v in rest.items()})
+                    sdm_ops.sparse_delta_memory_(bank=state, **rest)
+                    sdm_ops.sparse_delta_memory_(bank=state, **{k: v[:, :1] for k, v in rest.items()})
         # A packed batch: the chunk tables and every phase's VARLEN branch.
         a = make_packed_sdm_inputs([0, 7, 20, 3], H=1, D=16, S=9, W=3, R=2, seed=9,
                                    device=KERNEL_DEVICE)
@@ -142,14 +142,14 @@ def _launches():
         out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
         (out.sum() + bank.sum()).backward()
         with torch.no_grad():
-            sdm_ops.sparse_delta_memory_(a["bank"].detach().clone(),
+            sdm_ops.sparse_delta_memory_(bank=a["bank"].detach().clone(),
                                          **{k: v.detach() for k, v in a.items() if k != "bank"})
         # The walk that forms out itself (where its programs are no more than the SMs).
         with mock.patch.object(recurrence_fwd, "_WALK_SMS", 1 << 20), torch.no_grad():
-            sdm_ops.sparse_delta_memory_(a["bank"].detach().clone(),
+            sdm_ops.sparse_delta_memory_(bank=a["bank"].detach().clone(),
                                          **{k: v.detach() for k, v in a.items() if k != "bank"})
             d = make_sdm_inputs(B=1, H=1, S=9, T=20, W=3, R=2, D=16, seed=5, device=KERNEL_DEVICE)
-            sdm_ops.sparse_delta_memory_(d.pop("bank"), **d)
+            sdm_ops.sparse_delta_memory_(bank=d.pop("bank"), **d)
         # The inference forward's bounded bank copy (a GPU runs it beside phase 1).
         sdm_ops.ops.bank_copy(torch.randn(1, 9, 16, device=KERNEL_DEVICE), 2, 1)
         for dtype in (torch.float32, torch.bfloat16):

@@ -260,11 +260,11 @@ class OpsNumerics:
         want_out, want_bank = sdm_token_reference(**to_float64(args))
         seq = {k: v for k, v in args.items() if k != "bank"}
         bank = args["bank"].clone()
-        out = sdm_ops.sparse_delta_memory_(bank, **{k: v[:, :32] for k, v in seq.items()},
+        out = sdm_ops.sparse_delta_memory_(bank=bank, **{k: v[:, :32] for k, v in seq.items()},
                                            chunk_size=16)
         assert_close(out, want_out[:, :32], rtol=RTOL, name="out (prefill)")
         for t in (32, 33):     # decode steps, T = 1
-            step = sdm_ops.sparse_delta_memory_(bank, **{k: v[:, t:t + 1] for k, v in seq.items()})
+            step = sdm_ops.sparse_delta_memory_(bank=bank, **{k: v[:, t:t + 1] for k, v in seq.items()})
             assert_close(step, want_out[:, t:t + 1], rtol=RTOL, name=f"out (step {t})")
         assert_close(bank, want_bank, rtol=RTOL, name="bank")
 

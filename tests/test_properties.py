@@ -46,7 +46,7 @@ def test_in_place_update_equals_the_functional_result(case):
     a = make_sdm_inputs(**kwargs)
     out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size)
     state = a["bank"].clone()
-    out2 = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"},
+    out2 = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"},
                                         chunk_size=chunk_size)
     assert_close(out2, out, rtol=1e-5, name="out")
     assert_close(state, bank, rtol=1e-5, name="bank")

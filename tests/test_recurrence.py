@@ -123,7 +123,7 @@ def test_in_place_update_equals_functional_result():
     b = {k: v for k, v in a.items() if k != "bank"}
     state = a["bank"].clone()
     with on_kernels():
-        out2 = sdm_ops.sparse_delta_memory_(state, **b, chunk_size=32)
+        out2 = sdm_ops.sparse_delta_memory_(bank=state, **b, chunk_size=32)
     assert_close(out2, out, rtol=1e-6, name="out")
     assert_close(state, bank, rtol=1e-6, name="bank")
 
@@ -138,7 +138,7 @@ def test_in_place_forward_forms_out_in_column_steps_for_wide_rows_and_long_chunk
     out_r, bank_r = _oracle(a)
     state = a["bank"].clone()
     with on_kernels():
-        out = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"},
+        out = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"},
                                            chunk_size=chunk_size)
     assert_close(out, out_r, rtol=1e-5, name="out")
     assert_close(state, bank_r, rtol=1e-5, name="bank")
@@ -159,7 +159,7 @@ def test_forwards_without_a_snapshot_form_out_in_the_walk_or_after_it(sms, monke
     out_r, bank_r = _oracle(a)
     state = a["bank"].clone()
     with on_kernels():
-        out = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"},
+        out = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"},
                                            chunk_size=16)
         with torch.no_grad():
             out_f, bank_f = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
@@ -176,7 +176,7 @@ def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
     with on_kernels():
         for t in range(6):
             step = {k: v[:, t:t + 1] for k, v in a.items() if k != "bank"}
-            outs.append(sdm_ops.sparse_delta_memory_(state, **step))
+            outs.append(sdm_ops.sparse_delta_memory_(bank=state, **step))
     assert_close(torch.cat(outs, 1), out, rtol=1e-5, name="out")
     assert_close(state, bank, rtol=1e-5, name="bank")
 

@@ -55,7 +55,7 @@ def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, e
         state = a["bank"].clone()
         before = state.clone()
         with pytest.raises(error, match=text):
-            sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in bad.items() if k != "bank"})
+            sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in bad.items() if k != "bank"})
         assert torch.equal(state, before), "a rejected in-place call modified the bank"
 
 
@@ -72,9 +72,9 @@ def test_in_place_update_needs_a_contiguous_per_stream_bank():
     a = _args(seed=3)
     rest = {k: v for k, v in a.items() if k != "bank"}
     with pytest.raises(ValueError, match="bank"):
-        sdm_ops.sparse_delta_memory_(a["bank"][0], **rest)           # shared [H, S, D]
+        sdm_ops.sparse_delta_memory_(bank=a["bank"][0], **rest)           # shared [H, S, D]
     with pytest.raises(ValueError, match="contiguous"):
-        sdm_ops.sparse_delta_memory_(a["bank"].transpose(0, 1).contiguous().transpose(0, 1), **rest)
+        sdm_ops.sparse_delta_memory_(bank=a["bank"].transpose(0, 1).contiguous().transpose(0, 1), **rest)
 
 
 def test_too_many_entries_per_token_is_rejected():
@@ -178,14 +178,14 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
     rest = {k: v for k, v in a.items() if k != "bank"}
     with torch.no_grad():
         sdm_ops.sparse_delta_memory(**a)        # compiles the kernels first
-        sdm_ops.sparse_delta_memory_(state, **rest)
+        sdm_ops.sparse_delta_memory_(bank=state, **rest)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 sdm_ops.sparse_delta_memory(**a)
-                sdm_ops.sparse_delta_memory_(state, **rest)
+                sdm_ops.sparse_delta_memory_(bank=state, **rest)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     # torch warns once per process that the debug mode is a prototype; only the warnings
@@ -197,7 +197,7 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
     assert bool((bad["read_idx"] == S).any())
     before = state.clone()
     with pytest.raises(ValueError, match=f"read_idx must hold -1 .* got {S}"):
-        sdm_ops.sparse_delta_memory_(state, **bad)
+        sdm_ops.sparse_delta_memory_(bank=state, **bad)
     with pytest.raises(ValueError, match="read_idx"):
         sdm_ops.sparse_delta_memory(**dict(bad, bank=a["bank"]))
     assert torch.equal(state, before), "a rejected in-place call modified the bank"
@@ -205,7 +205,7 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
         cu = rest["cu_seqlens"].clone()
         cu[1] = cu[2] + 1
         with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
-            sdm_ops.sparse_delta_memory_(state, **dict(rest, cu_seqlens=cu))
+            sdm_ops.sparse_delta_memory_(bank=state, **dict(rest, cu_seqlens=cu))
         assert torch.equal(state, before), "a rejected in-place call modified the bank"
 
 
@@ -226,7 +226,7 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
         with torch.no_grad():           # the inference forward: its bank copy on a side stream
             inference = sdm_ops.sparse_delta_memory(**a)
         state = a["bank"].clone()
-        step = sdm_ops.sparse_delta_memory_(state, **{k: v for k, v in a.items() if k != "bank"})
+        step = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"})
         raw = torch.randn(6, 8 + 8, generator=torch.Generator().manual_seed(5)).to(a["v"].device)
         top = sdm_ops.product_key_topk(raw, (8, 8), 4)
         return [t.cpu() for t in (out, bank, *grads, *inference, step, state, *top)]

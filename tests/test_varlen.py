@@ -160,7 +160,7 @@ def test_inplace_variant_updates_each_sequences_bank(kernels):
     rest = {k: v for k, v in a.items() if k != "bank"}
     ctx = on_kernels() if kernels else contextlib.nullcontext()
     with ctx:
-        out = sdm_ops.sparse_delta_memory_(bank, **rest, chunk_size=16)
+        out = sdm_ops.sparse_delta_memory_(bank=bank, **rest, chunk_size=16)
     want_out, want_bank = ref.sdm_varlen_reference(**{k: v.cpu() for k, v in a.items()},
                                                    chunk_size=16)
     assert_close(out, want_out, rtol=1e-5, name="out")
@@ -272,9 +272,9 @@ def test_kernels_strided_cu_seqlens_equals_contiguous(dtype):
                               dict(a, cu_seqlens=every_other.contiguous()), g_out, g_bank,
                               chunk_size=16)
         bank = a["bank"].clone()
-        out_ = sdm_ops.sparse_delta_memory_(bank, a["v"], a["beta"], a["write_idx"],
-                                            a["write_w"], a["read_idx"], a["read_w"],
-                                            a["decay"], chunk_size=16, cu_seqlens=every_other)
+        out_ = sdm_ops.sparse_delta_memory_(a["v"], a["beta"], a["write_idx"], a["write_w"],
+                                            a["read_idx"], a["read_w"], bank, a["decay"],
+                                            chunk_size=16, cu_seqlens=every_other)
     for t, w in zip(tables, want_tables):
         assert torch.equal(t, w), (t, w)
     assert torch.equal(got[0], want[0]), "out differs with a strided cu_seqlens"
