@@ -1,59 +1,60 @@
-"""Benchmark of the SDM forward on the GPU: ``python -m sdm_ops.bench``.
+"""Benchmarks of sdm_ops on a CUDA GPU: ``python -m sdm_ops.bench [--only SECTIONS]``.
 
-Reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, bfloat16 values; float32 bank with
-and without decay, and a bfloat16 bank. For each case it prints the forward time (median of
-CUDA-event timings) eager and replayed from a CUDA graph, the CUDA operations (kernels and any
-device copy) of one forward, the bytes-moved floor over the copy bandwidth measured in the same
-run, the in-place forward (``sparse_delta_memory_``, which copies no bank) replayed with its own
-floor, forward+backward time eager and replayed with its own floor and its peak memory above the
-inputs, and the stock-PyTorch reference path on the GPU.
+The reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, chunk 64, bfloat16 values.
+Sections (``--only``, comma-separated; the first five run by default):
+
+- ``main``: per bank case (float32 with and without decay, bfloat16 with decay) the forward
+  without autograd (eager, replayed from a CUDA graph, the host's time until an eager call
+  returns), its CUDA operations, the in-place forward ``sparse_delta_memory_`` replayed, the
+  forward+backward eager and replayed with its peak memory, each against its bytes floor at
+  the copy bandwidth measured in the same run, and the stock-PyTorch reference forward.
+- ``snapshots``: forward+backward per snapshot mode (float32 bank, decay).
+- ``decode``: one decode step (T=1, every stream) of ``sparse_delta_memory_``, replayed.
+- ``peers``: fla-core's ``chunk_delta_rule`` and ``chunk_kda`` at the same B, T, H and
+  K = V = D, when fla-core is installed.
+- ``packed``: a packed batch of B sequences of mixed lengths (``cu_seqlens``) against the same
+  sequences padded to [B, T].
+- ``addressing``: chunk sizes 32 to 128, and hot sets of S/16 and S/256 slots.
+- ``scaling``: B=1 over T, S and D.
+- ``topk``: ``product_key_topk`` on 262144 rows, factors (256, 256), k 8 and 32, against the
+  brute force.
+- ``profile``: the CUDA time of each kernel of one forward+backward.
+- ``snapshot-errors``: each snapshot mode's gradient error against the exact one (the only
+  section that also runs on the CPU).
+
+Times are medians of ``triton.testing.do_bench`` (``sdm_ops._timing``); "graph" columns are
+the call replayed from a CUDA graph, "x floor" the graph time over the floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import math
+import platform
+import sys
+import time
+from functools import partial
 
 import torch
 
 import sdm_ops
+from sdm_ops import _timing
 from sdm_ops import reference as ref
+from sdm_ops.recurrence import CHUNK_SIZES, HEAD_DIMS
+
+PROG = "python -m sdm_ops.bench"
+SECTIONS = ("main", "snapshots", "decode", "peers", "packed", "addressing", "scaling", "topk",
+            "profile", "snapshot-errors")
+DEFAULT_SECTIONS = SECTIONS[:5]
+SNAPSHOTS = ("none", "bf16", "fp8", "int4")
+FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 
 
-def _time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted)."""
-    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = _time_ms(lambda: y.copy_(x), reps=10)
-    return 2 * x.numel() / (ms * 1e-3)
-
-
-def kernel_launches(fn) -> int:
-    """CUDA operations (kernels and device copies) one call of ``fn`` makes (after a warm-up
-    call)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
+# ---------------------------------------------------------------------------
+# Workloads and their bytes floors
+# ---------------------------------------------------------------------------
 
 def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0,
                   dev: str = "cuda", hot: int | None = None):
@@ -67,18 +68,22 @@ def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0
         if slots is None:
             return torch.randint(0, S, shape, device=dev, generator=g)
         return slots[torch.randint(0, hot, shape, device=dev, generator=g)]
-    args = dict(
-        v=torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16),
-        beta=torch.rand(B, T, H, device=dev, generator=g),
-        write_idx=idx(B, T, H, W),
-        write_w=torch.rand(B, T, H, W, device=dev, generator=g) / W ** 0.5,
-        read_idx=idx(B, T, H, R),
-        read_w=torch.rand(B, T, H, R, device=dev, generator=g) / R ** 0.5,
-        bank=(torch.randn(B, H, S, D, device=dev, generator=g) * 0.1).to(bank_dtype),
-    )
+    args = {
+        "v": torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16),
+        "beta": torch.rand(B, T, H, device=dev, generator=g),
+        "write_idx": idx(B, T, H, W),
+        "write_w": torch.rand(B, T, H, W, device=dev, generator=g) / W ** 0.5,
+        "read_idx": idx(B, T, H, R),
+        "read_w": torch.rand(B, T, H, R, device=dev, generator=g) / R ** 0.5,
+        "bank": (torch.randn(B, H, S, D, device=dev, generator=g) * 0.1).to(bank_dtype),
+    }
     if decay:
         args["decay"] = 0.9 + 0.1 * torch.rand(B, T, H, W, device=dev, generator=g)
     return args
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def floor_bytes(a: dict, in_place: bool = False) -> int:
@@ -90,12 +95,10 @@ def floor_bytes(a: dict, in_place: bool = False) -> int:
     W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
     bank = a["bank"]
     row = D * bank.element_size()
-    inputs = (sum(t.numel() * t.element_size() for t in a.values())
-              - bank.numel() * bank.element_size())
-    out = a["v"].numel() * a["v"].element_size()
+    inputs = sum(_size(t) for t in a.values()) - _size(bank)
     entries = B * T * H
-    copy = 0 if in_place else 2 * bank.numel() * bank.element_size()
-    return inputs + out + copy + entries * (W + R) * row + entries * W * row
+    copy = 0 if in_place else 2 * _size(bank)
+    return inputs + _size(a["v"]) + copy + entries * (W + R) * row + entries * W * row
 
 
 def floor_bytes_fwd_bwd(a: dict) -> int:
@@ -105,17 +108,53 @@ def floor_bytes_fwd_bwd(a: dict) -> int:
     every entry's row as it was at its chunk's start, from a snapshot or recomputed)."""
     B, T, H, D = a["v"].shape
     W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
-    bank = a["bank"]
-    size = lambda t: t.numel() * t.element_size()   # noqa: E731
-    grads_in = size(a["v"]) + size(bank)
-    grads_out = sum(size(a[k]) for k in FLOATS if k in a)
-    indices = size(a["write_idx"]) + size(a["read_idx"])
+    grads_in = _size(a["v"]) + _size(a["bank"])
+    grads_out = sum(_size(a[k]) for k in FLOATS if k in a)
+    indices = _size(a["write_idx"]) + _size(a["read_idx"])
     return (floor_bytes(a) + grads_in + grads_out + indices
-            + B * T * H * (W + R) * D * bank.element_size())
+            + B * T * H * (W + R) * D * a["bank"].element_size())
 
 
-FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
+def packed_workload(B, T, H, D, S, W, R) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(workload, cu_seqlens on the GPU, lengths on the CPU) of B sequences of mixed lengths
+    packed into one [1, B * T / 2] batch (lengths from T / 8 to T), float32 bank with decay,
+    one bank per sequence."""
+    lengths = torch.linspace(T // 8, T, B).round().long()
+    lengths = (lengths * (B * T // 2) / lengths.sum()).long().clamp(1, T)
+    packed = make_workload(1, int(lengths.sum()), H, D, S, W, R, decay=True,
+                           bank_dtype=torch.float32)
+    packed["bank"] = packed["bank"].expand(B, -1, -1, -1).contiguous()
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to("cuda")
+    return packed, cu, lengths
 
+
+def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk ([B, H, N] each): how many of its entries (write and read, padding aside)
+    name a slot that another entry of the chunk names too (the entries phase 1 must pair), and
+    the most entries on one slot. A chunk with more than ``chunk_prepare.COMPACT`` entries in
+    one hash bucket (on one slot, unless two slots share a hash) takes phase 1's dense
+    kernels."""
+    idx = torch.cat([a["write_idx"], a["read_idx"]], dim=-1)         # [B, T, H, E]
+    B, T, H, E = idx.shape
+    C = chunk_size
+    N = -(-T // C)
+    idx = torch.nn.functional.pad(idx, (0, 0, 0, 0, 0, N * C - T), value=-1)
+    idx = idx.view(B, N, C, H, E).permute(0, 3, 1, 2, 4).reshape(B, H, N, C * E)
+    s = idx.sort(dim=-1).values
+    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+    shared = torch.zeros_like(s, dtype=torch.bool)
+    shared[..., 1:] |= dup
+    shared[..., :-1] |= dup
+    # An entry's place in its run of equal slots: its index less the index of the run's start.
+    at = torch.arange(s.shape[-1], device=s.device).expand_as(s)
+    start = torch.where(torch.nn.functional.pad(dup, (1, 0), value=False), 0, at)
+    run = at - start.cummax(-1).values + 1
+    return shared.sum(-1), torch.where(s >= 0, run, 0).amax(-1)
+
+
+# ---------------------------------------------------------------------------
+# The calls timed
+# ---------------------------------------------------------------------------
 
 def forward_fn(a: dict, chunk_size: int, **kw):
     """A call of the forward of ``sparse_delta_memory`` on ``a``, without autograd."""
@@ -153,126 +192,200 @@ def forward_backward_fn(a: dict, chunk_size: int, **kw):
     return fwd_bwd
 
 
-def snapshot_errors(a: dict, chunk_size: int) -> None:
-    """Print, per snapshot mode, the bytes kept per token and the error of each gradient
-    against the exact mode ("none"): max |g - g_none| / max |g_none|."""
-    names = [k for k in FLOATS if k in a]
-    B, T, H, D = a["v"].shape
-    W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
-    grads = {}
-    for mode in ("none", "bf16", "fp8", "int4"):
-        leaves = {k: a[k].detach().clone().requires_grad_() for k in names}
-        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size,
-                                                snapshot=mode)
-        g = torch.Generator(device=out.device).manual_seed(1)
-        g_out = torch.randn(out.shape, device=out.device, generator=g)
-        g_bank = torch.randn(bank.shape, device=bank.device, generator=g)
-        loss = (out.float() * g_out).sum() + (bank.float() * g_bank).sum()
-        grads[mode] = torch.autograd.grad(loss, [leaves[k] for k in names])
-    row = {"none": D * a["bank"].element_size(), "bf16": D * 2, "fp8": D + D // 4,
-           "int4": D // 2 + D // 4}
-    print(f"snapshot modes, B={B} T={T} H={H} D={D} W={W} R={R}: bytes kept per token and the "
-          "gradients' error against 'none'")
-    print(f"{'mode':<6}{'bytes/token':>12}" + "".join(f"{'d' + n:>10}" for n in names))
-    for mode, gs in grads.items():
-        errs = [((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
-                for x, y in zip(gs, grads["none"])]
-        print(f"{mode:<6}{row[mode] * (W + R):>12d}" + "".join(f"{e:>10.1e}" for e in errs))
+def timed(prefix: str, fn, *, eager: bool = True, graph: bool = True) -> dict:
+    """``{prefix}_ms`` (eager) and ``{prefix}_graph_ms`` (replayed) of ``fn``."""
+    row = {}
+    if eager:
+        row[f"{prefix}_ms"] = _timing.eager_ms(fn)
+    if graph:
+        row[f"{prefix}_graph_ms"] = _timing.graph_ms(fn)
+    return row
 
 
-def packed_workload(B, T, H, D, S, W, R) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """(workload, cu_seqlens on the GPU, lengths on the CPU) of B sequences of mixed lengths
-    packed into one [1, B * T / 2] batch (lengths from T / 8 to T), float32 bank with decay,
-    one bank per sequence."""
-    lengths = torch.linspace(T // 8, T, B).round().long()
-    lengths = (lengths * (B * T // 2) / lengths.sum()).long().clamp(1, T)
-    packed = make_workload(1, int(lengths.sum()), H, D, S, W, R, decay=True,
-                           bank_dtype=torch.float32)
-    packed["bank"] = packed["bank"].expand(B, -1, -1, -1).contiguous()
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to("cuda")
-    return packed, cu, lengths
-
-
-def packed_vs_padded(B, T, H, D, S, W, R, chunk_size: int) -> None:
-    """A packed batch (``packed_workload``) against the same sequences padded to [B, T]
-    (padding: index -1, weight 0): forward and forward+backward times, float32 bank with
-    decay."""
-    packed, cu, lengths = packed_workload(B, T, H, D, S, W, R)
-    total = int(lengths.sum())
-    padded = make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
-    pad = torch.arange(T, device="cuda")[None, :] >= lengths.to("cuda")[:, None]   # [B, T]
-    for k in ("write_idx", "read_idx"):
-        padded[k] = padded[k].masked_fill(pad[:, :, None, None], -1)
-    rows = []
-    for name, a, kw in (("packed (cu_seqlens)", packed, {"cu_seqlens": cu}),
-                        ("padded to [B, T]", padded, {})):
-        rows.append((name, _time_ms(forward_fn(a, chunk_size, **kw)),
-                     _time_ms(forward_backward_fn(a, chunk_size, **kw), reps=5, warmup=2)))
-    print(f"packed vs padded: {B} sequences of {int(lengths.min())} to {int(lengths.max())} "
-          f"tokens ({total} in all, {B * T} padded), H={H} D={D} S={S} W={W} R={R} "
-          f"C={chunk_size}, float32 bank, decay")
-    print(f"{'batch':<22}{'fwd ms':>9}{'fwd+bwd ms':>12}")
-    for name, ms, bwd_ms in rows:
-        print(f"{name:<22}{ms:>9.3f}{bwd_ms:>12.3f}")
-
-
-def fwd_bwd_ms(a: dict, chunk_size: int, snapshot: str = "none", reps: int = 5) -> float:
-    """Forward+backward time of ``sparse_delta_memory`` on ``a`` (gradients of every float)."""
-    return _time_ms(forward_backward_fn(a, chunk_size, snapshot=snapshot), reps=reps, warmup=2)
-
-
-def kernel_times(fn, top: int = 12) -> list[tuple[str, float, int]]:
-    """(kernel name, total CUDA ms, calls) of one call of ``fn`` (after a warm-up call), the
-    ``top`` longest first: where the time of a forward or forward+backward goes."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    totals: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(e.name, [0.0, 0])
-            entry[0] += e.device_time_total / 1e3
-            entry[1] += 1
-    rows = sorted(((n, t, c) for n, (t, c) in totals.items()), key=lambda r: -r[1])
-    return rows[:top]
-
-
-def _captured(fn) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of one call of ``fn``, after two warm-up calls (Triton compilation, the
-    allocator) on a side stream, as ``torch.cuda.graph`` requires."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def decode_step_us(B, H, D, S, W, R, *, bank_dtype) -> float:
-    """One decode step (T = 1, every stream) of ``sparse_delta_memory_`` replayed from a CUDA
-    graph: microseconds per replay, over 200 replays."""
-    a = make_workload(B, 1, H, D, S, W, R, decay=True, bank_dtype=bank_dtype)
-    bank = a.pop("bank")
-    graph = _captured(lambda: sdm_ops.sparse_delta_memory_(bank=bank, **a))
-    n = 200
-    return _time_ms(lambda: [graph.replay() for _ in range(n)], reps=5, warmup=1) * 1e3 / n
-
-
-def replay_ms(fn) -> float:
-    """One call of ``fn`` replayed from a CUDA graph: milliseconds per replay. No host work
-    between the kernels (our eager checks, which read data, are skipped while capturing), so
-    against the eager call it shows what the host costs; the graph's memory is freed after."""
-    graph = _captured(fn)
-    ms = _time_ms(graph.replay)
-    del graph
+def _free() -> None:
+    gc.collect()
     torch.cuda.empty_cache()
-    return ms
+
+
+# ---------------------------------------------------------------------------
+# Tables: printed row by row as measured, kept for --json
+# ---------------------------------------------------------------------------
+
+class Section:
+    """One table: a title, columns ``(key, header, format)`` after the ``case`` column, and
+    rows (dicts keyed by ``case`` and the columns' keys; a missing or None figure prints
+    blank). Columns whose key ends in ``_ms`` or ``_us`` and holds no ``floor`` are timings:
+    what ``benchmarks/ab.py`` compares between revisions."""
+
+    def __init__(self, run: Run, name: str, title: str, columns, case_width: int = 26):
+        self.run, self.name, self.title = run, name, title
+        self.columns = list(columns)
+        self.case_width = case_width
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+        self.widths = [max(len(h) + 2, 8) for _, h, _ in self.columns]
+        print(f"\n{name}: {title}")
+        head = f"{'case':<{case_width}}" + "".join(
+            f"{h:>{w}}" for (_, h, _), w in zip(self.columns, self.widths))
+        print(head)
+        print("-" * len(head), flush=True)
+        run.sections.append(self)
+
+    def progress(self, i: int, n: int, case: str) -> None:
+        """A line on stderr before a case is measured (a cut run still says where it was)."""
+        took = time.perf_counter() - self.run.start
+        print(f"bench: {self.name} {i}/{n}: {case} ({took:.0f} s)", file=sys.stderr, flush=True)
+
+    def add(self, case: str, **figures) -> None:
+        row = {"case": case}
+        row.update({k: _plain(v) for k, v in figures.items()})
+        self.rows.append(row)
+        cells = []
+        for (key, _, fmt), w in zip(self.columns, self.widths):
+            v = row.get(key)
+            cells.append(f"{'' if v is None else format(v, fmt):>{w}}")
+        print(f"{case:<{self.case_width}}" + "".join(cells), flush=True)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(text, flush=True)
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "title": self.title,
+                "columns": [{"key": k, "header": h, "format": f} for k, h, f in self.columns],
+                "rows": self.rows, "notes": self.notes}
+
+
+def _plain(v):
+    """A JSON-safe figure: a Python number, None for NaN."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
+class Run:
+    """What one bench run measured, written to ``--json`` after every section."""
+
+    def __init__(self, args, argv: list[str]):
+        self.args, self.argv = args, argv
+        self.start = time.perf_counter()
+        self.sections: list[Section] = []
+        self.bandwidth: float | None = None       # bytes per second
+
+    @property
+    def shape(self) -> tuple:
+        a = self.args
+        return a.B, a.T, a.H, a.D, a.S, a.W, a.R
+
+    def as_json(self) -> dict:
+        import triton
+        a = self.args
+        cuda = torch.cuda.is_available()
+        return {
+            "bench": PROG, "argv": self.argv,
+            "workload": {"B": a.B, "T": a.T, "H": a.H, "D": a.D, "S": a.S, "W": a.W, "R": a.R,
+                         "chunk_size": a.chunk_size, "values": "bfloat16"},
+            "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "sdm_ops_path": sdm_ops.__file__,
+            "copy_bandwidth_bytes_per_s": self.bandwidth,
+            "timer": {"do_bench_rep_ms": a.rep_ms, "statistic": "median"},
+            "sections": [s.as_json() for s in self.sections],
+        }
+
+    def save(self) -> None:
+        if self.args.json:
+            with open(self.args.json, "w") as f:
+                json.dump(self.as_json(), f, indent=1)
+                f.write("\n")
+
+    def floor_ms(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth * 1e3
+
+
+# ---------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------
+
+def section_main(run: Run) -> None:
+    C = run.args.chunk_size
+    t = Section(run, "main", "reference workload: forward, in place, forward+backward",
+                [("fwd_ms", "fwd ms", ".3f"), ("fwd_graph_ms", "graph", ".3f"),
+                 ("fwd_host_ms", "host ms", ".3f"), ("launches", "launches", "d"),
+                 ("fwd_floor_ms", "floor ms", ".3f"), ("fwd_x_floor", "x floor", ".2f"),
+                 ("in_place_graph_ms", "in place", ".3f"),
+                 ("in_place_floor_ms", "floor ms", ".3f"), ("in_place_x_floor", "x floor", ".2f"),
+                 ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_bwd_graph_ms", "graph", ".3f"),
+                 ("fwd_bwd_floor_ms", "floor ms", ".3f"), ("fwd_bwd_x_floor", "x floor", ".2f"),
+                 ("peak_gib", "peak GiB", ".2f"), ("reference_ms", "reference ms", ".1f")])
+    cases = [("float32 bank, decay", True, torch.float32),
+             ("float32 bank, no decay", False, torch.float32),
+             ("bfloat16 bank, decay", True, torch.bfloat16)]
+    for i, (name, decay, bank_dtype) in enumerate(cases, 1):
+        t.progress(i, len(cases), name)
+        a = make_workload(*run.shape, decay=decay, bank_dtype=bank_dtype)
+        fwd = forward_fn(a, C)
+        row = timed("fwd", fwd)
+        row["fwd_host_ms"] = _timing.host_ms(fwd)
+        row["launches"] = sum(calls for _, calls in _timing.cuda_ops(fwd).values())
+        row["in_place_graph_ms"] = _timing.graph_ms(in_place_fn(a, C))
+        fwd_bwd = forward_backward_fn(a, C)
+        row["peak_gib"] = _timing.peak_gib(fwd_bwd)
+        row.update(timed("fwd_bwd", fwd_bwd))
+        del fwd_bwd
+        for key, nbytes in (("fwd", floor_bytes(a)), ("in_place", floor_bytes(a, in_place=True)),
+                            ("fwd_bwd", floor_bytes_fwd_bwd(a))):
+            row[f"{key}_floor_ms"] = run.floor_ms(nbytes)
+            row[f"{key}_x_floor"] = row[f"{key}_graph_ms"] / row[f"{key}_floor_ms"]
+        if not run.args.no_reference:
+            def ref_fwd(a=a):
+                with torch.no_grad():
+                    return ref.sdm_chunked_reference(**a, chunk_size=C)
+            row["reference_ms"] = _timing.eager_ms(ref_fwd)
+        t.add(name, **row)
+        del a, fwd
+        _free()
+
+
+def section_snapshots(run: Run) -> None:
+    D, W, R = run.args.D, run.args.W, run.args.R
+    t = Section(run, "snapshots", "forward+backward by snapshot mode, float32 bank, decay",
+                [("bytes_per_token", "bytes/token", "d"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+                 ("fwd_bwd_graph_ms", "graph", ".3f")])
+    a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32)
+    for i, mode in enumerate(SNAPSHOTS, 1):
+        t.progress(i, len(SNAPSHOTS), mode)
+        fwd_bwd = forward_backward_fn(a, run.args.chunk_size, snapshot=mode)
+        t.add(mode, bytes_per_token=snapshot_row_bytes(mode, D, torch.float32) * (W + R),
+              **timed("fwd_bwd", fwd_bwd))
+        del fwd_bwd
+        _free()
+
+
+def snapshot_row_bytes(mode: str, D: int, bank_dtype) -> int:
+    """Bytes a snapshot mode keeps per bank row (``none``: the bank's own dtype)."""
+    return {"none": D * torch.empty((), dtype=bank_dtype).element_size(), "bf16": D * 2,
+            "fp8": D + D // 4, "int4": D // 2 + D // 4}[mode]
+
+
+def section_decode(run: Run) -> None:
+    B, _, H, D, S, W, R = run.shape
+    steps = 32
+    t = Section(run, "decode", f"one decode step (T=1, B*H={B * H} streams) of "
+                f"sparse_delta_memory_, replayed from a CUDA graph",
+                [("step_graph_us", "replay us", ".1f"),
+                 ("step_in_graph_us", f"in {steps} steps us", ".1f")])
+    cases = (("float32 bank", torch.float32), ("bfloat16 bank", torch.bfloat16))
+    for i, (name, bank_dtype) in enumerate(cases, 1):
+        t.progress(i, len(cases), name)
+        step = in_place_fn(make_workload(B, 1, H, D, S, W, R, decay=True,
+                                         bank_dtype=bank_dtype), run.args.chunk_size)
+        t.add(name, step_graph_us=_timing.graph_ms(step) * 1e3,
+              step_in_graph_us=_timing.graph_ms(step, calls=steps) * 1e3)
+        del step
+        _free()
 
 
 def _import_peer(module: str, name: str):
@@ -284,234 +397,285 @@ def _import_peer(module: str, name: str):
         return None, f"{type(e).__name__}: {first}"
 
 
-def fla_peers(B, T, H, D) -> tuple[list[tuple], list[tuple[str, str]]]:
-    """fla-core's chunk_delta_rule and chunk_kda at the same B, T, H and K = V = D, bfloat16:
-    rows (name, forward ms, its graph replay ms, forward+backward ms, its graph replay ms) for
-    those that import, and (name, why) for those that do not (fla-core not installed, or an
-    import error of its own)."""
+def section_peers(run: Run) -> None:
+    B, T, H, D, S = run.shape[:5]
+    t = Section(run, "peers", f"fla-core at B={B} T={T} H={H} K=V={D}, bfloat16 (a {D}x{D} "
+                f"state per stream, {S // D} times smaller than the bank)",
+                [("fwd_ms", "fwd ms", ".3f"), ("fwd_graph_ms", "graph", ".3f"),
+                 ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_bwd_graph_ms", "graph", ".3f")])
     g = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g)   # noqa: E731
-    q, k, v = (rnd(B, T, H, D).to(torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=g).to(torch.bfloat16)
+               for _ in range(3))
     k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
     beta = torch.rand(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
     gate = -torch.rand(B, T, H, D, device="cuda", generator=g) * 0.1
-    rows, missing = [], []
-    for name, module, attr, extra in (
-            ("fla chunk_delta_rule", "fla.ops.delta_rule", "chunk_delta_rule", ()),
-            ("fla chunk_kda", "fla.ops.kda", "chunk_kda", (gate,))):
+    peers = (("fla chunk_delta_rule", "fla.ops.delta_rule", "chunk_delta_rule", ()),
+             ("fla chunk_kda", "fla.ops.kda", "chunk_kda", (gate,)))
+    for i, (name, module, attr, extra) in enumerate(peers, 1):
         fn, why = _import_peer(module, attr)
         if fn is None:
-            missing.append((name, why))
+            t.note(f"{name} skipped: {why} (pip install fla-core)")
             continue
+        t.progress(i, len(peers), name)
 
-        def fwd():
+        def fwd(fn=fn, extra=extra):
             with torch.no_grad():
                 return fn(q, k, v, *extra, beta)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         g_o = torch.ones_like(v)
 
-        def fwd_bwd():
+        def fwd_bwd(fn=fn, extra=extra, leaves=leaves, g_o=g_o):
             return torch.autograd.grad(fn(*leaves, *extra, beta)[0], leaves, g_o)
-        rows.append((name, _time_ms(fwd), replay_ms(fwd), _time_ms(fwd_bwd, reps=5, warmup=2),
-                     replay_ms(fwd_bwd)))
-    return rows, missing
+        t.add(name, **timed("fwd", fwd), **timed("fwd_bwd", fwd_bwd))
+        _free()
 
 
-def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per chunk ([B, H, N] each): how many of its entries (write and read, padding aside)
-    name a slot that another entry of the chunk names too (the entries phase 1 must pair), and
-    the most entries on one slot. A chunk with more than ``chunk_prepare.COMPACT`` entries in
-    one hash bucket (on one slot, unless two slots share a hash) takes phase 1's dense
-    kernels."""
-    idx = torch.cat([a["write_idx"], a["read_idx"]], dim=-1)         # [B, T, H, E]
-    B, T, H, E = idx.shape
-    C = chunk_size
-    N = -(-T // C)
-    idx = torch.nn.functional.pad(idx, (0, 0, 0, 0, 0, N * C - T), value=-1)
-    idx = idx.view(B, N, C, H, E).permute(0, 3, 1, 2, 4).reshape(B, H, N, C * E)
-    s = idx.sort(dim=-1).values
-    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
-    shared = torch.zeros_like(s, dtype=torch.bool)
-    shared[..., 1:] |= dup
-    shared[..., :-1] |= dup
-    # An entry's place in its run of equal slots: its index less the index of the run's start.
-    at = torch.arange(s.shape[-1], device=s.device).expand_as(s)
-    start = torch.where(torch.nn.functional.pad(dup, (1, 0), value=False), 0, at)
-    run = at - start.cummax(-1).values + 1
-    return shared.sum(-1), torch.where(s >= 0, run, 0).amax(-1)
-
-
-def addressing(shape, reps: int = 3) -> None:
-    """Forward and forward+backward as a chunk's entries share more slots: chunk sizes 32 to
-    128 over the whole bank, and chunk 64 over hot sets of S / 16 and S / 256 slots (float32
-    bank, decay), with the share of chunks that overflow phase 1's sparse path; each eager and
-    replayed from a CUDA graph."""
-    from .kernels.chunk_prepare import COMPACT
-    B, T, H, D, S, W, R = shape
-    print(f"addressing: float32 bank, decay; indices uniform over a hot set of slots; a chunk "
-          f"with more than {COMPACT} entries on one slot runs phase 1's dense kernels")
-    print(f"{'hot slots':>10}{'chunk':>6}{'shared/chunk':>13}{'dense chunks':>13}"
-          f"{'fwd ms':>9}{'graph':>7}{'fwd+bwd ms':>12}{'graph':>7}")
-    for hot, C in ((S, 32), (S, 64), (S, 128), (S // 16, 64), (S // 256, 64)):
-        a = make_workload(*shape, decay=True, bank_dtype=torch.float32, hot=hot)
-        count, most = shared_entries(a, C)
-        dense = (most > COMPACT).float().mean().item()
-        fwd, fwd_bwd = forward_fn(a, C), forward_backward_fn(a, C)
-        ms = _time_ms(fwd, reps=reps, warmup=1)
-        bwd_ms = _time_ms(fwd_bwd, reps=reps, warmup=1)
-        print(f"{hot:>10}{C:>6}{count.float().mean().item():>13.1f}{dense:>13.1%}{ms:>9.3f}"
-              f"{replay_ms(fwd):>7.3f}{bwd_ms:>12.3f}{replay_ms(fwd_bwd):>7.3f}", flush=True)
-        del fwd_bwd, a
-        torch.cuda.empty_cache()
-
-
-def scaling(args) -> None:
-    """Forward and forward+backward over T, S and D (B = 1, H = 8, float32 bank, decay), each
-    eager and replayed from a CUDA graph (at B = 1 an eager call can be mostly host time), and
-    the in-place forward replayed (the functional calls copy the bank, whose size grows with S
-    and D; the in-place one does not)."""
-    print(f"scaling: B=1 H=8 W=8 R=8 C={args.chunk_size}, float32 bank, decay")
-    print(f"{'T':>6}{'S':>9}{'D':>5}{'fwd ms':>9}{'graph':>7}{'in place':>9}{'fwd+bwd ms':>12}"
-          f"{'graph':>7}")
-    for D in (64, 128):
-        for S in (2 ** 16, 2 ** 20):
-            for T in (1024, 4096, 16384):
-                a = make_workload(1, T, 8, D, S, 8, 8, decay=True, bank_dtype=torch.float32)
-                C = args.chunk_size
-                fwd, fwd_bwd = forward_fn(a, C), forward_backward_fn(a, C)
-                ms = _time_ms(fwd, reps=5, warmup=1)
-                bwd_ms = _time_ms(fwd_bwd, reps=3, warmup=2)
-                print(f"{T:>6}{S:>9}{D:>5}{ms:>9.3f}{replay_ms(fwd):>7.3f}"
-                      f"{replay_ms(in_place_fn(a, C)):>9.3f}{bwd_ms:>12.3f}"
-                      f"{replay_ms(fwd_bwd):>7.3f}", flush=True)
-                del fwd_bwd, a
-                torch.cuda.empty_cache()
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="SDM forward benchmark")
-    parser.add_argument("--B", type=int, default=8)
-    parser.add_argument("--T", type=int, default=4096)
-    parser.add_argument("--H", type=int, default=8)
-    parser.add_argument("--D", type=int, default=64)
-    parser.add_argument("--S", type=int, default=65536)
-    parser.add_argument("--W", type=int, default=8)
-    parser.add_argument("--R", type=int, default=8)
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
-    parser.add_argument("--snapshot-errors", action="store_true",
-                        help="only measure the snapshot modes' gradient error (CPU or CUDA)")
-    parser.add_argument("--no-packed", action="store_true",
-                        help="skip the packed-versus-padded (cu_seqlens) comparison")
-    parser.add_argument("--scaling", action="store_true",
-                        help="also print the scaling table over T, S and D")
-    parser.add_argument("--addressing", action="store_true",
-                        help="also print the table over chunk sizes and hot slot sets")
-    parser.add_argument("--tables-only", action="store_true",
-                        help="print only the tables --addressing and --scaling ask for (each of"
-                             " them and the main table with its peers take minutes)")
-    parser.add_argument("--profile", action="store_true",
-                        help="only print where forward+backward time goes, kernel by kernel")
-    args = parser.parse_args(argv)
-    if args.tables_only and not (args.addressing or args.scaling):
-        parser.error("--tables-only needs --addressing or --scaling: it prints only those tables")
-    shape = (args.B, args.T, args.H, args.D, args.S, args.W, args.R)
-    if args.snapshot_errors:
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        snapshot_errors(make_workload(*shape, decay=True, bank_dtype=torch.float32, dev=dev),
-                        args.chunk_size)
-        return 0
-    if not torch.cuda.is_available():
-        print("sdm_ops.bench needs a CUDA GPU; nothing to measure here.")
-        return 0
-    if args.profile:
-        a = make_workload(*shape, decay=True, bank_dtype=torch.float32)
-        print("forward+backward, float32 bank, decay: CUDA time by kernel")
-        for name, ms, calls in kernel_times(forward_backward_fn(a, args.chunk_size)):
-            print(f"{ms:>9.3f} ms {calls:>4d}x  {name[:90]}")
-        return 0
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, copy bandwidth "
-          f"{bw / 1e12:.2f} TB/s")
-    print(f"B={args.B} T={args.T} H={args.H} D={args.D} S={args.S} W={args.W} R={args.R} "
-          f"C={args.chunk_size}, bfloat16 values")
-    if args.tables_only:
-        if args.addressing:
-            addressing(shape)
-        if args.scaling:
-            scaling(args)
-        return 0
-    head = (f"{'case':<28}{'fwd ms':>8}{'graph':>7}{'launches':>9}{'floor ms':>9}"
-            f"{'x floor':>8}{'in place':>9}{'floor ms':>9}{'x floor':>8}"
-            f"{'fwd+bwd ms':>11}{'graph':>7}{'floor ms':>9}{'x floor':>8}"
-            f"{'peak GiB':>9}"
-            f"{'reference fwd ms':>17}")
-    print(head)
-    print("-" * len(head))
-    cases = [("float32 bank, decay", True, torch.float32),
-             ("float32 bank, no decay", False, torch.float32),
-             ("bfloat16 bank, decay", True, torch.bfloat16)]
-    for name, decay, bank_dtype in cases:
-        a = make_workload(*shape, decay=decay, bank_dtype=bank_dtype)
-
-        fwd = forward_fn(a, args.chunk_size)
-        ms = _time_ms(fwd)
-        graph_ms = replay_ms(fwd)
-        launches = kernel_launches(fwd)
-        in_place_ms = replay_ms(in_place_fn(a, args.chunk_size))
-        in_place_floor = floor_bytes(a, in_place=True) / bw * 1e3
-        fwd_bwd = forward_backward_fn(a, args.chunk_size)
-        bwd_ms = _time_ms(fwd_bwd, reps=5, warmup=2)
-        # Nothing allocated before may be freed inside the measured call (a collected CUDA
-        # graph's pool, say), or the peak above the base reads low.
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwd_bwd()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-        bwd_graph_ms = replay_ms(fwd_bwd)
+def section_packed(run: Run) -> None:
+    B, T, H, D, S, W, R = run.shape
+    C = run.args.chunk_size
+    packed, cu, lengths = packed_workload(B, T, H, D, S, W, R)
+    t = Section(run, "packed", f"{B} sequences of {int(lengths.min())} to "
+                f"{int(lengths.max())} tokens, packed (cu_seqlens) and padded to [B, T] "
+                "(index -1, weight 0), float32 bank, decay",
+                [("tokens", "tokens", "d"), ("fwd_ms", "fwd ms", ".3f"),
+                 ("fwd_graph_ms", "graph", ".3f"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+                 ("fwd_bwd_graph_ms", "graph", ".3f")])
+    padded = make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
+    pad = torch.arange(T, device="cuda")[None, :] >= lengths.to("cuda")[:, None]   # [B, T]
+    for key in ("write_idx", "read_idx"):
+        padded[key] = padded[key].masked_fill(pad[:, :, None, None], -1)
+    cases = (("packed (cu_seqlens)", packed, {"cu_seqlens": cu}, int(lengths.sum())),
+             ("padded to [B, T]", padded, {}, B * T))
+    for i, (name, a, kw, tokens) in enumerate(cases, 1):
+        t.progress(i, len(cases), name)
+        fwd_bwd = forward_backward_fn(a, C, **kw)
+        t.add(name, tokens=tokens, **timed("fwd", forward_fn(a, C, **kw)),
+              **timed("fwd_bwd", fwd_bwd))
         del fwd_bwd
-        floor = floor_bytes(a) / bw * 1e3
-        bwd_floor = floor_bytes_fwd_bwd(a) / bw * 1e3
-        ref_ms = float("nan")
-        if not args.no_reference:
-            def ref_fwd(a=a):
-                with torch.no_grad():
-                    return ref.sdm_chunked_reference(**a, chunk_size=args.chunk_size)
-            ref_ms = _time_ms(ref_fwd, reps=2, warmup=1)
-        print(f"{name:<28}{ms:>8.3f}{graph_ms:>7.3f}{launches:>9d}{floor:>9.3f}{ms / floor:>8.2f}"
-              f"{in_place_ms:>9.3f}{in_place_floor:>9.3f}{in_place_ms / in_place_floor:>8.2f}"
-              f"{bwd_ms:>11.3f}{bwd_graph_ms:>7.3f}{bwd_floor:>9.3f}{bwd_ms / bwd_floor:>8.2f}"
-              f"{peak:>9.2f}"
-              f"{ref_ms:>17.1f}")
-        del a
-        torch.cuda.empty_cache()
-    B, T, H, D, S, W, R = shape
-    print("snapshot modes, float32 bank, decay: forward+backward ms")
-    a = make_workload(*shape, decay=True, bank_dtype=torch.float32)
-    print("  ".join(f"{mode} {fwd_bwd_ms(a, args.chunk_size, mode):.3f}"
-                    for mode in ("none", "bf16", "fp8", "int4")))
-    del a
-    torch.cuda.empty_cache()
-    print(f"decode step (T=1, B*H={B * H} streams, CUDA graph replay): "
-          f"float32 bank {decode_step_us(B, H, D, S, W, R, bank_dtype=torch.float32):.1f} us, "
-          f"bfloat16 bank {decode_step_us(B, H, D, S, W, R, bank_dtype=torch.bfloat16):.1f} us")
-    peers, missing = fla_peers(B, T, H, D)
-    if peers:
-        print(f"peers at B={B} T={T} H={H} K=V={D}, bfloat16 (state {D}x{D} per stream, "
-              f"{S // D} times smaller than the bank)")
-        for name, ms, graph_ms, bwd_ms, bwd_graph_ms in peers:
-            print(f"{name:<28}{ms:>8.3f}{graph_ms:>7.3f}{'':>52}{bwd_ms:>11.3f}"
-                  f"{bwd_graph_ms:>7.3f}")
-    for name, why in missing:
-        print(f"peer {name} skipped: {why} (pip install fla-core)")
-    if not args.no_packed:
-        packed_vs_padded(*shape, args.chunk_size)
-    if args.addressing:
-        addressing(shape)
-    if args.scaling:
-        scaling(args)
+        _free()
+
+
+def section_addressing(run: Run) -> None:
+    from .kernels.chunk_prepare import COMPACT
+    S = run.args.S
+    t = Section(run, "addressing", f"indices uniform over a hot set of slots, float32 bank, "
+                f"decay; a chunk with more than {COMPACT} entries on one slot runs phase 1's "
+                "dense kernels",
+                [("shared_per_chunk", "shared/chunk", ".1f"),
+                 ("dense_chunks", "dense chunks", ".1%"), ("fwd_ms", "fwd ms", ".3f"),
+                 ("fwd_graph_ms", "graph", ".3f"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+                 ("fwd_bwd_graph_ms", "graph", ".3f")])
+    cases = ((S, 32), (S, 64), (S, 128), (S // 16, 64), (S // 256, 64))
+    for i, (hot, C) in enumerate(cases, 1):
+        name = f"{hot} slots, chunk {C}"
+        t.progress(i, len(cases), name)
+        a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32, hot=hot)
+        count, most = shared_entries(a, C)
+        fwd_bwd = forward_backward_fn(a, C)
+        t.add(name, shared_per_chunk=count.float().mean(),
+              dense_chunks=(most > COMPACT).float().mean(), **timed("fwd", forward_fn(a, C)),
+              **timed("fwd_bwd", fwd_bwd))
+        del fwd_bwd, a
+        _free()
+
+
+def section_scaling(run: Run) -> None:
+    C = run.args.chunk_size
+    t = Section(run, "scaling", f"B=1 H=8 W=8 R=8 chunk {C}, float32 bank, decay (at B=1 an "
+                "eager call can be mostly host time)",
+                [("fwd_ms", "fwd ms", ".3f"), ("fwd_graph_ms", "graph", ".3f"),
+                 ("in_place_graph_ms", "in place", ".3f"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+                 ("fwd_bwd_graph_ms", "graph", ".3f")])
+    cases = [(T, S, D) for D in (64, 128) for S in (2 ** 16, 2 ** 20) for T in (1024, 4096, 16384)]
+    for i, (T, S, D) in enumerate(cases, 1):
+        name = f"T={T} S={S} D={D}"
+        t.progress(i, len(cases), name)
+        a = make_workload(1, T, 8, D, S, 8, 8, decay=True, bank_dtype=torch.float32)
+        fwd_bwd = forward_backward_fn(a, C)
+        t.add(name, **timed("fwd", forward_fn(a, C)),
+              in_place_graph_ms=_timing.graph_ms(in_place_fn(a, C)), **timed("fwd_bwd", fwd_bwd))
+        del fwd_bwd, a
+        _free()
+
+
+TOPK_ROWS = 262144
+TOPK_FACTORS = (256, 256)
+TOPK_KS = (8, 32)
+BRUTE_CHUNK = 16384          # rows whose 65536 float32 sums (4 GiB) are held at once
+
+
+def brute_force_topk(raw: torch.Tensor, k: int) -> None:
+    """Every sum of a row's two factor scores in float32, chunk of rows by chunk, then
+    ``torch.topk``: what ``product_key_topk`` avoids materializing."""
+    a, b = TOPK_FACTORS
+    for r0 in range(0, raw.shape[0], BRUTE_CHUNK):
+        x = raw[r0:r0 + BRUTE_CHUNK].float()
+        sums = (x[:, :a, None] + x[:, None, a:]).reshape(x.shape[0], a * b)
+        torch.topk(sums, k, dim=-1)
+
+
+def section_topk(run: Run) -> None:
+    t = Section(run, "topk", f"product_key_topk, {TOPK_ROWS} rows, factors {TOPK_FACTORS}; "
+                "floor: the rows read once",
+                [("floor_ms", "floor ms", ".3f"), ("fwd_ms", "fwd ms", ".3f"),
+                 ("fwd_graph_ms", "graph", ".3f"), ("fwd_x_floor", "x floor", ".1f"),
+                 ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_bwd_graph_ms", "graph", ".3f"),
+                 ("brute_force_ms", "brute force ms", ".1f")])
+    cases = [(dtype, k) for dtype in (torch.bfloat16, torch.float32) for k in TOPK_KS]
+    for i, (dtype, k) in enumerate(cases, 1):
+        name = f"{str(dtype).removeprefix('torch.')} rows, k={k}"
+        t.progress(i, len(cases), name)
+        raw, forward, forward_backward = topk_calls(dtype, k)
+        row = {"floor_ms": run.floor_ms(_size(raw)), **timed("fwd", forward),
+               **timed("fwd_bwd", forward_backward)}
+        row["fwd_x_floor"] = row["fwd_graph_ms"] / row["floor_ms"]
+        if dtype == torch.bfloat16:
+            row["brute_force_ms"] = _timing.eager_ms(partial(brute_force_topk, raw, k))
+        t.add(name, **row)
+        del raw, forward, forward_backward
+        _free()
+
+
+def topk_calls(dtype, k: int):
+    """(raw, forward, forward_backward): random rows of ``dtype`` and calls of
+    ``product_key_topk`` on them, the backward's value gradient made once beforehand."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    raw = torch.randn(TOPK_ROWS, sum(TOPK_FACTORS), device="cuda", generator=g).to(dtype)
+    x = raw.detach().requires_grad_(True)
+    grad_val = torch.randn(TOPK_ROWS, k, device="cuda", generator=g).to(dtype)
+
+    def forward():
+        return sdm_ops.product_key_topk(raw, TOPK_FACTORS, k)
+
+    def forward_backward():
+        val, _ = sdm_ops.product_key_topk(x, TOPK_FACTORS, k)
+        return torch.autograd.grad(val, x, grad_val)
+    return raw, forward, forward_backward
+
+
+def section_profile(run: Run, top: int = 15) -> None:
+    t = Section(run, "profile", "CUDA time of one forward+backward by kernel, float32 bank, "
+                f"decay (the {top} longest)", [("ms", "ms", ".3f"), ("calls", "calls", "d")],
+                case_width=64)
+    a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32)
+    t.progress(1, 1, "float32 bank, decay")
+    totals = _timing.cuda_ops(forward_backward_fn(a, run.args.chunk_size))
+    for name, (ms, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        t.add(name[:62], ms=ms, calls=calls)
+    t.note(f"all {len(totals)} kernels: {sum(ms for ms, _ in totals.values()):.3f} ms")
+
+
+def section_snapshot_errors(run: Run) -> None:
+    """Per snapshot mode, the bytes kept per token and each gradient's error against the exact
+    mode ("none"): max |g - g_none| / max |g_none|, on the GPU or else the CPU."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32, dev=dev)
+    names = [k for k in FLOATS if k in a]
+    D, W, R = run.args.D, run.args.W, run.args.R
+    t = Section(run, "snapshot-errors", f"each gradient's error against snapshot 'none' "
+                f"(max |g - g_none| / max |g_none|), float32 bank, decay, on {dev}",
+                [("bytes_per_token", "bytes/token", "d")]
+                + [(f"err_{n}", f"d{n}", ".1e") for n in names])
+    grads = {}
+    for i, mode in enumerate(SNAPSHOTS, 1):
+        t.progress(i, len(SNAPSHOTS), mode)
+        leaves = {k: a[k].detach().clone().requires_grad_() for k in names}
+        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves),
+                                                chunk_size=run.args.chunk_size, snapshot=mode)
+        g = torch.Generator(device=dev).manual_seed(1)
+        g_out = torch.randn(out.shape, device=dev, generator=g)
+        g_bank = torch.randn(bank.shape, device=dev, generator=g)
+        loss = (out.float() * g_out).sum() + (bank.float() * g_bank).sum()
+        grads[mode] = torch.autograd.grad(loss, [leaves[k] for k in names])
+        errs = {f"err_{n}": ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+                for n, x, y in zip(names, grads[mode], grads["none"])}
+        t.add(mode, bytes_per_token=snapshot_row_bytes(mode, D, torch.float32) * (W + R), **errs)
+
+
+RUNNERS = {"main": section_main, "snapshots": section_snapshots, "decode": section_decode,
+           "peers": section_peers, "packed": section_packed, "addressing": section_addressing,
+           "scaling": section_scaling, "topk": section_topk, "profile": section_profile,
+           "snapshot-errors": section_snapshot_errors}
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+def _sections(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a positive integer, not {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
+        epilog="Output: one table per section on stdout, each row printed once measured,\n"
+               "and a progress line per case on stderr. Figures are milliseconds unless a\n"
+               "column says otherwise. --json writes every figure with the device and the\n"
+               "versions; benchmarks/table.py in the repository renders such a file as\n"
+               "Markdown tables. Without a CUDA GPU it exits with status 2 (unless --only\n"
+               "snapshot-errors).")
+    shape = parser.add_argument_group("workload (the reference workload by default)")
+    for name, default, what in (("B", 8, "sequences in the batch"), ("T", 4096, "tokens each"),
+                                ("H", 8, "heads"), ("S", 65536, "bank slots per head"),
+                                ("W", 8, "write entries per token and head"),
+                                ("R", 8, "read entries per token and head")):
+        shape.add_argument(f"--{name}", type=_positive, default=default, metavar="N",
+                           help=f"{what} (default {default})")
+    shape.add_argument("--D", type=int, default=64, choices=HEAD_DIMS, metavar="N",
+                       help=f"value width, one of {', '.join(map(str, HEAD_DIMS))} (default 64)")
+    shape.add_argument("--chunk-size", type=int, default=64, choices=CHUNK_SIZES, metavar="N",
+                       help="tokens per chunk of the recurrence, one of "
+                            f"{', '.join(map(str, CHUNK_SIZES))} (default 64)")
+    parser.add_argument("--only", type=_sections, default=list(DEFAULT_SECTIONS),
+                        metavar="SECTIONS",
+                        help="comma-separated sections to run, in the order given, of: "
+                             f"{', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the stock-PyTorch reference forward in the main section")
+    parser.add_argument("--rep-ms", type=float, default=100.0, metavar="MS",
+                        help="milliseconds of repeated calls per measurement, do_bench's rep "
+                             "(default 100; at least one call)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the results as JSON to PATH (rewritten after each "
+                             "section), e.g. benchmarks/results/NAME.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and set(args.only) != {"snapshot-errors"}:
+        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False); only "
+                     "--only snapshot-errors runs on the CPU")
+    _timing.set_budget(args.rep_ms)
+    run = Run(args, argv)
+    B, T, H, D, S, W, R = run.shape
+    if torch.cuda.is_available():
+        import triton
+        run.bandwidth = _timing.copy_bandwidth()
+        print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, triton "
+              f"{triton.__version__}, copy bandwidth {run.bandwidth / 1e12:.2f} TB/s")
+    print(f"B={B} T={T} H={H} D={D} S={S} W={W} R={R} chunk {args.chunk_size}, bfloat16 "
+          f"values; times in ms (median of do_bench), 'graph': replayed from a CUDA graph")
+    for name in args.only:
+        RUNNERS[name](run)
+        run.save()
+    if args.json:
+        print(f"\nresults written to {args.json}")
     return 0
 
 

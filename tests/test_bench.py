@@ -1,10 +1,17 @@
-"""The benchmark's bytes floors, counted by hand for a tiny workload (the GPU timings themselves
-are not tested: they are the benchmark's output)."""
+"""The benchmark's bytes floors, counted by hand for a tiny workload, and its command line (the
+GPU timings themselves are not tested: they are the benchmark's output)."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from sdm_ops import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("decay", [False, True])
@@ -53,8 +60,58 @@ def test_a_hot_workload_names_only_its_hot_slots():
     assert len(torch.cat([b["write_idx"].flatten(), b["read_idx"].flatten()]).unique()) > 8
 
 
-def test_tables_only_without_a_table_is_refused(capsys):
+def run_module(*args, env=None):
+    """``python -m sdm_ops.bench ARGS`` from the repository root, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "sdm_ops.bench", *args], check=False, cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_help_exits_0_and_describes_every_option():
+    done = run_module("--help")
+    assert done.returncode == 0, done.stderr
+    for action in bench.build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+        for option in action.option_strings:
+            assert option in done.stdout
+    # The workload, every section and what is printed are described.
+    for text in ("B=8, T=4096, H=8, D=64, S=65536", *bench.SECTIONS, "progress line", "--json"):
+        assert text in done.stdout
+
+
+def test_without_cuda_it_exits_2_and_says_why():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = run_module("--only", "main", env=env)
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: python -m sdm_ops.bench")
+    assert "needs a CUDA GPU" in done.stderr
+    assert done.stdout == ""
+
+
+def test_an_unknown_section_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--tables-only"])
+        bench.main(["--only", "main,nope"])
     assert exit_info.value.code == 2
-    assert "--tables-only needs --addressing or --scaling" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown section(s) ['nope']" in err and "snapshot-errors" in err
+
+
+def test_snapshot_errors_write_json(tmp_path):
+    # The one section that runs without a GPU; its figures and the run's provenance land in
+    # the JSON file.
+    path = tmp_path / "r.json"
+    assert bench.main(["--only", "snapshot-errors", "--B", "1", "--T", "40", "--H", "1", "--D",
+                       "16", "--S", "64", "--W", "2", "--R", "2", "--chunk-size", "16",
+                       "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert results["workload"] == {"B": 1, "T": 40, "H": 1, "D": 16, "S": 64, "W": 2, "R": 2,
+                                   "chunk_size": 16, "values": "bfloat16"}
+    assert results["torch"] == torch.__version__ and results["device"]
+    (section,) = results["sections"]
+    assert [row["case"] for row in section["rows"]] == list(bench.SNAPSHOTS)
+    keys = [c["key"] for c in section["columns"]]
+    assert keys == ["bytes_per_token"] + [f"err_{n}" for n in bench.FLOATS]
+    # 'none' against itself is exact; a float32 row of 16 is 64 bytes, 4 entries a token.
+    none, bf16 = section["rows"][0], section["rows"][1]
+    assert none["bytes_per_token"] == 256 and bf16["bytes_per_token"] == 128
+    assert all(none[k] == 0 for k in keys[1:])
+    assert all(0 <= bf16[k] < 0.1 for k in keys[1:])
