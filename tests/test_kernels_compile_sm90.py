@@ -34,7 +34,7 @@ _TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16
 @contextlib.contextmanager
 def _recording(calls: list, run: bool = True):
     """Record every (kernel, positional args, keyword args) launched through wrap_triton, and
-    launch it unless ``run`` is False (``scripts/ptxas_report.py`` only records)."""
+    launch it unless ``run`` is False (``tools/ptxas_report.py`` only records)."""
     import torch.library
     modules = kernel_modules()
     real = torch.library.wrap_triton

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every Triton kernel under compute-sanitizer's memcheck, out-of-range indices included
-# (python3 -m sdm_ops.sanitize), in one call on a GPU machine: `bash scripts/sanitize.sh`.
-# compute-sanitizer needs the Firecracker machines (on gVisor it refuses the device). The log
-# goes to $OUT/sanitize.log; the exit status is 0 only when memcheck found no error and every
-# case passed. The two passes' time limits (seconds) keep the whole inside one 10-minute call.
+# (tools/sanitize.py), on a GPU machine, from the repository root: `bash tools/sanitize.sh`.
+# compute-sanitizer must reach the GPU itself (some sandboxed container runtimes refuse it).
+# The log goes to $OUT/sanitize.log (OUT defaults to /tmp/sdm_sanitize); the exit status is 0
+# only when memcheck found no error and every case passed. SANITIZE_TIMEOUT and
+# SANITIZE_GRAPHS_TIMEOUT bound the two passes (seconds).
 set -uo pipefail
 OUT=${OUT:-/tmp/sdm_sanitize}
 mkdir -p "$OUT"
@@ -34,7 +35,7 @@ memcheck() {   # memcheck SECONDS ARGS...
     pass=$(mktemp)
     timeout "$limit" "$SANITIZER" --tool memcheck --error-exitcode 1 \
         --target-processes all --report-api-errors no \
-        python3 -m sdm_ops.sanitize "$@" 2>&1 | tee -a "$LOG" | tee "$pass"
+        python3 tools/sanitize.py "$@" 2>&1 | tee -a "$LOG" | tee "$pass"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ] && ! grep -q '^sanitize: .* cases, all outputs equal' "$pass"; then
         rc=1
@@ -47,9 +48,8 @@ memcheck() {   # memcheck SECONDS ARGS...
 status=0
 # Without PyTorch's caching allocator each tensor is its own cudaMalloc, so memcheck sees an
 # access just past a tensor (inside the allocator's shared blocks it would not).
-# SANITIZE_PARTS picks the first pass's parts: its three together have outgrown one 10-minute
-# device call (at 1168bb1 the eager part alone took most of 380 s), so a call can run
-# SANITIZE_PARTS=eager and another SANITIZE_PARTS=compiled,ops.
+# SANITIZE_PARTS picks the first pass's parts: where a run must fit a time limit, the eager
+# part can run alone (SANITIZE_PARTS=eager) and the others in another (compiled,ops).
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck "${SANITIZE_TIMEOUT:-450}" \
     --parts "${SANITIZE_PARTS:-eager,compiled,ops}" || status=1
 # CUDA graph capture allocates from the caching allocator: the graphs part runs with it.

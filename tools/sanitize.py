@@ -1,6 +1,6 @@
-"""Every Triton kernel of sdm_ops on out-of-range indices: ``python -m sdm_ops.sanitize``.
+"""Every Triton kernel of sdm_ops on out-of-range indices: ``python tools/sanitize.py``.
 
-Written to run under ``compute-sanitizer --tool memcheck`` (``scripts/sanitize.sh``): it
+Written to run under ``compute-sanitizer --tool memcheck`` (``tools/sanitize.sh``): it
 launches each kernel on small shapes with indices outside ``[0, S)`` (just past the bank, far
 past it, the index dtype's extremes, negatives below -1) mixed with valid slots and -1
 padding, and checks what the README promises: every kernel treats such an index exactly like
@@ -30,9 +30,11 @@ partial). One line is printed per case, then ``sanitize: N cases, ...``; the exi
 when every case passed.
 
 ``--device cpu`` runs the same cases without a GPU: the Triton kernels run under Triton's
-interpreter (the module re-executes itself with ``TRITON_INTERPRET=1``), the ``graphs`` part
+interpreter (the script re-executes itself with ``TRITON_INTERPRET=1``), the ``graphs`` part
 is skipped, and the ``compiled`` part runs the operators' reference path (Inductor cannot
 compile user-defined Triton kernels for CPU tensors).
+
+Run it from the repository root with ``sdm_ops`` importable (installed, or ``PYTHONPATH=.``).
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ from unittest import mock
 import torch
 from torch import Tensor
 
-from . import recurrence, reference
-from .kernels._common import interpreting, kernels_on_cpu
-from .product_key import product_key_topk
-from .recurrence import sparse_delta_memory, sparse_delta_memory_
-from .wy import wy_solve
+from sdm_ops import recurrence, reference
+from sdm_ops.kernels._common import interpreting, kernels_on_cpu
+from sdm_ops.product_key import product_key_topk
+from sdm_ops.recurrence import sparse_delta_memory, sparse_delta_memory_
+from sdm_ops.wy import wy_solve
 
 B, H, T, D, S, W, R = 1, 2, 40, 16, 32, 3, 2
 CHUNK = 16
@@ -371,7 +373,7 @@ def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
 
 # The last two: factors wider than one warp's loads (float32 over 128 columns, bfloat16 over
 # 256), whose programs take one warp and at most 2048 bytes of rows (float32 (256, 256) at
-# k = 8: 2 rows a program since e64b3b8; bfloat16's 8), and a factor of two 512-column chunks.
+# k = 8: 2 rows a program; bfloat16's 8), and a factor of two 512-column chunks.
 # TOPK_LEAD's 7 rows leave the last program of every one of them partly masked but where a
 # program takes one row.
 TOPK_LEAD = (1, 7)
@@ -528,7 +530,7 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m sdm_ops.sanitize",
+    p = argparse.ArgumentParser(prog="python tools/sanitize.py",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default), or cpu: the kernels under Triton's interpreter")
@@ -541,17 +543,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            print("sdm_ops.sanitize: needs a CUDA GPU (or --device cpu, the Triton "
+            print("tools/sanitize.py: needs a CUDA GPU (or --device cpu, the Triton "
                   "interpreter)", file=sys.stderr)
             return 2
         if "graphs" in parts and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
-            print("sdm_ops.sanitize: CUDA graph capture needs PyTorch's caching allocator; run "
+            print("tools/sanitize.py: CUDA graph capture needs PyTorch's caching allocator; run "
                   "the graphs part without PYTORCH_NO_CUDA_MEMORY_CACHING=1", file=sys.stderr)
             return 2
     else:
         if not interpreting():      # triton is imported already: start again with it set
             env = dict(os.environ, TRITON_INTERPRET="1")
-            os.execve(sys.executable, [sys.executable, "-m", "sdm_ops.sanitize", *argv], env)
+            os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
         if "graphs" in parts:
             print("graphs   skipped: CUDA graphs need a GPU", flush=True)
             parts.remove("graphs")

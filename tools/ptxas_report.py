@@ -5,8 +5,9 @@ The forward and backward of the reference workload's configuration (W = R = 8, D
 64, bfloat16 values; float32 and bfloat16 banks; every snapshot mode; the in-place forward) run
 at a small B and T with every launch recorded instead of run, then each distinct launch is
 compiled as the launcher would specialize it (which arguments are divisible by 16).
-Usage: ``PYTHONPATH=. python scripts/ptxas_report.py [CHUNK_SIZE]`` (no TRITON_INTERPRET;
-about a minute; the chunk size defaults to the reference workload's 64).
+Usage, from the repository root: ``PYTHONPATH=. python tools/ptxas_report.py [CHUNK_SIZE]``
+(without TRITON_INTERPRET; a few minutes; the chunk size defaults to the reference workload's
+64). The GPU's own Triton, if another version, may allocate registers differently.
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The test suite on a CUDA GPU machine, from the repository root:
+#
+#   bash tools/gpu_suite.sh [all|fast|slow|multi_gpu] [more pytest arguments]
+#
+#   all (default)  every test but those that need two GPUs: -m "not multi_gpu"
+#   fast           the same without the slow tests: -m "not slow and not multi_gpu"
+#   slow           the slow tests alone (each takes minutes, most of it compiling): -m slow
+#   multi_gpu      the tests that need two or more GPUs: -m multi_gpu
+#
+# fast and slow split `all` into two runs where each must fit a time limit. The markers are
+# registered in pyproject.toml; tests/helpers.py's requires_cuda and requires_multi_gpu apply
+# them. Wheels in .whl/ (packages the machine lacks, e.g. expecttest) are installed into
+# /tmp/site first; Triton's cache goes to TRITON_CACHE_DIR (default /tmp/sdm_triton_cache).
+# WORKERS: pytest-xdist workers (default: the CPU count). PYTEST_TIMEOUT: seconds before the
+# run is cut (default: none). OUT: a folder for the verbose log, $OUT/pytest-PART.log (a cut
+# run still names what finished); stdout then gets the summary.
+set -uo pipefail
+part=${1:-all}
+[ $# -gt 0 ] && shift
+case "$part" in
+    all) marks="not multi_gpu" ;;
+    fast) marks="not slow and not multi_gpu" ;;
+    slow) marks="slow and not multi_gpu" ;;
+    multi_gpu) marks="multi_gpu" ;;
+    *) echo "usage: bash tools/gpu_suite.sh [all|fast|slow|multi_gpu] [pytest arguments]" >&2
+       exit 2 ;;
+esac
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/sdm_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+cmd=(timeout "${PYTEST_TIMEOUT:-0}" python3 -m pytest -n "${WORKERS:-$(nproc)}" -p no:cacheprovider
+     -rfEs --durations=15 -m "$marks" tests compile_tests "$@")
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    "${cmd[@]}" -v >"$OUT/pytest-$part.log" 2>&1
+    status=$?
+    grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/pytest-$part.log" | tail -30
+else
+    "${cmd[@]}"
+    status=$?
+fi
+echo "gpu_suite.sh $part: pytest exit status $status (124: cut by PYTEST_TIMEOUT)"
+exit $status
