@@ -24,7 +24,8 @@ from torch._inductor.utils import run_and_get_code
 from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from compile_tests import kernels_defined_in, launched_kernels
 from sdm_ops.nn import SparseDeltaMemory
-from tests.helpers import assert_close, capture, kernel_modules, requires_cuda
+from tests.helpers import (assert_close, capture, kernel_modules, requires_cuda,
+                           requires_multi_gpu)
 
 RTOL = 1e-4         # compiled or captured against eager, after SGD steps: float32 rounding
 DDP_RTOL = 1e-5     # two GPUs against one: float32 reduction order only
@@ -264,7 +265,7 @@ def run_ddp(backend: str, device_type: str, out_path: str, world_size: int = 2) 
     return torch.load(out_path)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@requires_multi_gpu
 def test_ddp_on_two_gpus_matches_one_gpu_on_the_whole_batch(tmp_path):
     # One GPU first: it also fills Triton's kernel cache for the two ranks.
     model = make_model().cuda()

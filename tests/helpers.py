@@ -11,8 +11,25 @@ import torch
 
 from sdm_ops.kernels._common import interpreting, kernels_on_cpu
 
+
+class Marks(tuple):
+    """Several pytest marks as one: a decorator (``@requires_cuda``) that applies them all, and
+    a collection that ``pytest.param(..., marks=requires_cuda)`` takes."""
+
+    def __call__(self, obj):
+        for mark in reversed(self):
+            obj = mark(obj)
+        return obj
+
+
 HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+# Each skip carries its marker (registered in pyproject.toml), so that ``-m cuda`` selects the
+# CUDA-only tests and ``-m "not multi_gpu"`` leaves out those that need two GPUs.
+requires_cuda = Marks((pytest.mark.cuda,
+                       pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")))
+requires_multi_gpu = Marks((pytest.mark.cuda, pytest.mark.multi_gpu,
+                            pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                               reason="needs 2 CUDA GPUs")))
 requires_kernels = pytest.mark.skipif(
     not HAS_CUDA and not interpreting(),
     reason="needs a CUDA GPU or TRITON_INTERPRET=1 set before triton is imported")

@@ -36,15 +36,14 @@ from sdm_ops.reference import (QUANT_GROUP, Prepared, dequantize_rows,
                                sdm_token_reference, sdm_varlen_reference,
                                wy_solve_reference)
 from tests.helpers import (HAS_CUDA, assert_close, make_packed_sdm_inputs, make_raw,
-                           make_sdm_inputs, make_wy_inputs, to_float64)
+                           make_sdm_inputs, make_wy_inputs, requires_cuda, to_float64)
 
 FAILURES_DICT = os.path.join(os.path.dirname(__file__), "opcheck_failures.json")
 RTOL = 1e-5          # float32 against float64 (SPEC section 5)
 BF16_RTOL = 3e-2     # bfloat16 inputs and bank: a few units of 2^-8 (as tests/test_recurrence.py)
 OPCHECK_UTILS = ["test_schema", "test_autograd_registration", "test_faketensor",
                  "test_aot_dispatch_dynamic"]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
-                                                                 reason="needs a CUDA GPU"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
 # ---------------------------------------------------------------------------
@@ -306,6 +305,7 @@ class TestOpsNumericsCPU(OpsNumerics, unittest.TestCase):
     device = "cpu"
 
 
+@pytest.mark.cuda
 @unittest.skipIf(not HAS_CUDA, "needs a CUDA GPU")
 class TestOpsNumericsCUDA(OpsNumerics, unittest.TestCase):
     device = "cuda"

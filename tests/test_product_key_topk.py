@@ -212,6 +212,7 @@ def test_forward_chunked_factor_merges_short_lists(dtype, k):
 
 
 @requires_cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("factors,k", [((4096,), 256), ((4096, 4096), 256), ((4096, 3), 256),
                                        ((16, 16, 16, 16), 256), ((4096, 2, 4096, 1), 100),
                                        ((1, 1, 1, 1), 1)], ids=str)

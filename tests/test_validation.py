@@ -9,7 +9,8 @@ import torch
 import sdm_ops
 from sdm_ops import reference as ref
 from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
-                           on_kernels, requires_cuda, requires_kernels, to_float64)
+                           on_kernels, requires_cuda, requires_kernels, requires_multi_gpu,
+                           to_float64)
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 
@@ -209,7 +210,7 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
         assert torch.equal(state, before), "a rejected in-place call modified the bank"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@requires_multi_gpu
 @pytest.mark.parametrize("packed", [False, True])
 def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
     # Triton launches on the current device; the operators make their inputs' device current
