@@ -36,8 +36,9 @@ def is_timing(key: str) -> bool:
 
 def compare(base_runs: list[dict], head_runs: list[dict]) -> list[dict]:
     """Per section of the runs' results (``--json`` files, one per round), one entry
-    ``{"name", "title", "rows": [(case, header, base, head, ratio)]}``: the median of every
-    timing over the rounds of each side, for the cases and columns both sides hold."""
+    ``{"name", "title", "rows": [(case, header, format, base, head, ratio)]}``: the median of
+    every timing over the rounds of each side, for the cases and columns both sides hold, and
+    the column's format."""
     def medians(runs):
         values: dict[tuple, list[float]] = {}
         for run in runs:
@@ -58,7 +59,8 @@ def compare(base_runs: list[dict], head_runs: list[dict]) -> list[dict]:
                 key = (s["name"], row["case"], c["key"])
                 if key in base and key in head:
                     b, h = base[key], head[key]
-                    rows.append((row["case"], c["header"], b, h, h / b if b else float("nan")))
+                    rows.append((row["case"], c["header"], c["format"], b, h,
+                                 h / b if b else float("nan")))
         if rows:
             out.append({"name": s["name"], "title": s["title"], "rows": rows})
     return out
@@ -69,12 +71,12 @@ def render(sections: list[dict], base_label: str, head_label: str) -> str:
     lines = []
     for s in sections:
         lines += ["", f"{s['name']}: {s['title']}"]
-        width = max(26, *(len(case) + 2 for case, *_ in s["rows"]))
+        width = max(26, *(len(row[0]) + 2 for row in s["rows"]))
         head = (f"{'case':<{width}}{'figure':<16}{base_label[:13]:>14}{head_label[:13]:>14}"
                 f"{'head/base':>11}")
         lines += [head, "-" * len(head)]
-        for case, header, b, h, ratio in s["rows"]:
-            lines.append(f"{case:<{width}}{header:<16}{b:>14.4g}{h:>14.4g}{ratio:>11.3f}")
+        for case, header, fmt, b, h, ratio in s["rows"]:
+            lines.append(f"{case:<{width}}{header:<16}{b:>14{fmt}}{h:>14{fmt}}{ratio:>11.3f}")
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -93,11 +94,14 @@ def cuda_ops(fn: Callable[[], object]) -> dict[str, tuple[float, int]]:
     ``fn``, profiled after a warm-up call."""
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():     # that it keeps one cycle's events: one call is all
+        warnings.filterwarnings("ignore", ".*Profiler clears events", UserWarning)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = prof.events()
     totals: dict[str, tuple[float, int]] = {}
-    for e in prof.events():
+    for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             ms, calls = totals.get(e.name, (0.0, 0))
             totals[e.name] = (ms + e.device_time_total / 1e3, calls + 1)

@@ -99,11 +99,13 @@ def test_ab_compares_the_median_of_each_timing():
     # Floors and counts are no timings; case b has no head timing; the medians: 3.0 against
     # 1.5, 9.25 against 8.75.
     assert sections == [
-        {"name": "main", "title": "two cases", "rows": [("a", "fwd ms", 3.0, 1.5, 0.5)]},
+        {"name": "main", "title": "two cases", "rows": [("a", "fwd ms", ".3f", 3.0, 1.5, 0.5)]},
         {"name": "decode", "title": "one step",
-         "rows": [("float32 bank", "replay us", 9.25, 8.75, 8.75 / 9.25)]}]
-    text = ab.render(sections, "base main", "head tree")
-    assert "a" in text and "0.500" in text and "head/base" in text
+         "rows": [("float32 bank", "replay us", ".1f", 9.25, 8.75, 8.75 / 9.25)]}]
+    lines = ab.render(sections, "base main", "head tree").splitlines()
+    assert lines[1] == "main: two cases" and "head/base" in lines[2]
+    assert lines[4].split() == ["a", "fwd", "ms", "3.000", "1.500", "0.500"]
+    assert lines[-1].split() == ["float32", "bank", "replay", "us", "9.2", "8.8", "0.946"]
 
 
 @pytest.mark.parametrize("argv,message", [
