@@ -32,6 +32,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -192,14 +193,9 @@ def forward_backward_fn(a: dict, chunk_size: int, **kw):
     return fwd_bwd
 
 
-def timed(prefix: str, fn, *, eager: bool = True, graph: bool = True) -> dict:
+def timed(prefix: str, fn) -> dict:
     """``{prefix}_ms`` (eager) and ``{prefix}_graph_ms`` (replayed) of ``fn``."""
-    row = {}
-    if eager:
-        row[f"{prefix}_ms"] = _timing.eager_ms(fn)
-    if graph:
-        row[f"{prefix}_graph_ms"] = _timing.graph_ms(fn)
-    return row
+    return {f"{prefix}_ms": _timing.eager_ms(fn), f"{prefix}_graph_ms": _timing.graph_ms(fn)}
 
 
 def _free() -> None:
@@ -661,6 +657,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and set(args.only) != {"snapshot-errors"}:
         parser.error("needs a CUDA GPU (torch.cuda.is_available() is False); only "
                      "--only snapshot-errors runs on the CPU")
+    if args.rep_ms <= 0:
+        parser.error(f"--rep-ms must be positive, not {args.rep_ms:g}")
+    if args.json:
+        if os.path.isdir(args.json):
+            parser.error(f"--json takes a file path, not the folder {args.json}")
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     _timing.set_budget(args.rep_ms)
     run = Run(args, argv)
     B, T, H, D, S, W, R = run.shape
