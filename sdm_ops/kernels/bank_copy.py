@@ -14,7 +14,7 @@ stream writes (``first``): phase 2 reads every other row from the source bank un
 first writes it, and that first write stores the whole row (``recurrence_fwd``'s ``source``),
 so the copy moves 61% of the bank at the reference workload. The inference forward copies the
 whole bank beside phase 1 instead (``recurrence._copy_beside``): measured, that was faster
-than the partial copy beside phase 1 followed by phase 2 from the source (PERF_NOTES 32).
+than the partial copy beside phase 1 followed by phase 2 from the source.
 
 ``first`` [P, S] int32 (P = B * H streams, or N * H for a packed batch, stream p = b * H + h):
 the first chunk of stream p with a valid write entry on slot s, INT32_MAX where none writes s.
@@ -27,7 +27,7 @@ Layout: src and dst contiguous; a bank is H * S rows of D elements (offsets 64-b
 rows) of bank b. P = cdiv(H * S * D, BLOCK) by default (one block a program); a smaller P
 (``programs``) makes a copy that holds at most P programs a bank on the GPU at once, each
 walking larger blocks (``BOUNDED_BLOCK``), so that SMs stay free for kernels of another stream
-beside it (the inference forward runs phase 1 and the WY solve so: PERF_NOTES 27). Every
+beside it (the inference forward runs phase 1 and the WY solve so). Every
 element is written by one program, with a plain load and store: deterministic.
 """
 

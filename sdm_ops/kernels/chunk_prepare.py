@@ -36,7 +36,7 @@ geometry has no sparse path): grid (N, B * H, C // BJ), a program
 owns BJ tokens ("own" entries: their W write and R read entries) of one chunk and walks the
 chunk's C tokens in order, matching each token's entries against its own, and writes the
 columns of its tokens in A and QK and its entries' weights. Launched after the sparse path,
-a dense kernel has at most _STRIDED_PROGRAMS programs, each walking every G-th chunk and
+a dense kernel has at most _STRIDED_PROGRAMS_PER_SM programs an SM, each walking every G-th chunk and
 taking a heavy one whole, BJ tokens at a time. On either path each output element has
 one writer and every sum and product runs in a fixed order, so the result is bitwise
 deterministic.
@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._common import sm_count
 from ._tiles import dense_chunk, token_entries
 
 _NUM_WARPS = 4
@@ -176,7 +177,7 @@ def _chunk_prepare_kernel(
     C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
     SPARSE: tl.constexpr,
 ):
-    if SPARSE:   # the heavy chunks alone (count -1), usually none: see _STRIDED_PROGRAMS
+    if SPARSE:   # the heavy chunks alone (count -1), usually none: see _strided_grid
         step = tl.num_programs(0)
         for k in range(tl.cdiv(N * P, step)):
             chunk = tl.program_id(0) + k * step
@@ -223,7 +224,7 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     shared = _sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags,
                             write_idx.device)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
-    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
+    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_kernel)[grid](
         *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
@@ -451,7 +452,7 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     shared = _sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags,
                             write_idx.device)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
-    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P) + (1,)
+    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_bwd_kernel)[grid](
         *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
         W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
@@ -500,17 +501,24 @@ SPARSE_ENTRIES = 2048  # the sparse path runs when a chunk has at most this many
 _SORT_WARPS = 4
 _PAIRS_WARPS = 4   # the one-window tier's, below chunk 128
 # A launch for the few chunks of one kind (the windowed tier's, the dense kernels' heavy ones
-# after the sparse path) runs at most this many chunk programs, each walking every G-th chunk.
-_STRIDED_PROGRAMS = 264
+# after the sparse path) runs at most this many chunk programs an SM, each walking every G-th
+# chunk.
+_STRIDED_PROGRAMS_PER_SM = 2
+_STRIDED_PROGRAMS: int | None = None     # a fixed bound instead (tests bound it to walk)
 # The chunks whose counts a windowed-tier program loads at once, as independent scalar loads
-# (the dense kernels load one at a time: with 986e415's vector walk their backward took 8x
-# longer when every chunk is heavy, PERF_NOTES 30).
+# (the dense kernels load one at a time: a vector walk made their backward 8x slower when every
+# chunk is heavy).
 _WALK = 16
 
 
-def _strided_grid(N: int, P: int) -> tuple[int, int]:
-    """The chunk grid of a launch for few chunks of N * P (see _STRIDED_PROGRAMS)."""
-    return min(N * P, _STRIDED_PROGRAMS), 1
+def _strided_grid(N: int, P: int, device: torch.device) -> tuple[int, int]:
+    """The chunk grid of a launch for few chunks of N * P: at most _STRIDED_PROGRAMS_PER_SM
+    programs an SM of ``device`` (a program's chunks do not depend on the grid's width, so
+    neither does the result); without SMs (the interpreter) one program a chunk."""
+    if _STRIDED_PROGRAMS is not None:
+        return min(N * P, _STRIDED_PROGRAMS), 1
+    sms = sm_count(device)
+    return (min(N * P, _STRIDED_PROGRAMS_PER_SM * sms) if sms else N * P), 1
 
 
 @triton.jit
@@ -519,7 +527,7 @@ def _tier_steps(shared_count, k0, N, P, LO: tl.constexpr, HI: tl.constexpr,
     """Which of steps k0 .. k0 + WALK - 1 of this program's walk (every G-th chunk from its
     own, G the grid's width) are chunks of its tier (LO < count <= HI), as the bits of an
     int32: WALK scalar loads of their counts side by side (a vector and its reduction across
-    warps made ptxas spill, PERF_NOTES 31). The bits steer the walk but make no address, so
+    warps made ptxas spill). The bits steer the walk but make no address, so
     the loads may sit in a helper (see _tiles.bank_slots)."""
     bits = 0
     for i in tl.static_range(WALK):
@@ -558,13 +566,13 @@ def _sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags
     sort[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS)
     # Two tiers by shared entries (LO < m <= HI): most chunks have at most MC and take one
     # window, straight code (in the backward, of MH = MC / 2 entries where those hold them:
-    # most chunks of the reference workload, PERF_NOTES 29); the rest take a loop over windows
+    # most chunks of the reference workload); the rest take a loop over windows
     # (more registers: ptxas spills when its windows are 64 entries, hence MC = 32), a grid
-    # of at most _STRIDED_PROGRAMS. The forward holds A and QK ([C, C] each) across the loop:
+    # of at most _STRIDED_PROGRAMS_PER_SM programs an SM. The forward holds A and QK ([C, C] each) across the loop:
     # 8 warps hold them without spilling where 4 spilled 680 bytes (chunk 64) and 43 KB
     # (chunk 128) a thread; a chunk of 128 takes 8 warps in both tiers.
     for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
-        grid = (N, P) if hi <= mc else _strided_grid(N, P)
+        grid = (N, P) if hi <= mc else _strided_grid(N, P, device)
         pairs[grid](*common, shared, compact, T, H, bank_rows, N, P, **sizes, LO=lo, HI=hi,
                     WALK=_WALK, **(dict(MH=max(16, mc // 2)) if backward else {}),
                     num_warps=8 if C >= 128 or hi > mc else _PAIRS_WARPS)
@@ -931,7 +939,7 @@ def _chunk_pairs_kernel(
     if HI <= MC:   # the one-window tier: grid (N, P), one program a chunk
         _pairs_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
                      W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
-    else:          # the windowed tier, for the rare chunks of more than MC: see _STRIDED_PROGRAMS
+    else:          # the windowed tier, for the rare chunks of more than MC: see _strided_grid
         g = tl.num_programs(0)
         for k0 in range(0, tl.cdiv(N * P, g), WALK):
             bits = _tier_steps(shared_count, k0, N, P, LO, HI, WALK)

@@ -85,10 +85,10 @@ from torch.library import wrap_triton
 # _FWD_BLOCK; at most _FWD_WARPS warps. Backward: dense accumulator blocks of at most
 # _BWD_COLS columns, rows per program (at most _BWD_MAX_ROWS) such that the widest accumulator
 # holds about _BWD_BLOCK elements; the zeroing stores _BWD_BLOCK elements at a time, and a
-# program that zeroes its rows has at most _BWD_ZERO_ROW_ELEMENTS elements of them (PERF_NOTES
-# 52: small programs' zeros and sums meet in L2). Where the slots' power of two KP is at least
+# program that zeroes its rows has at most _BWD_ZERO_ROW_ELEMENTS elements of them (small
+# programs' zeros and sums meet in L2). Where the slots' power of two KP is at least
 # _BWD_TILE_SLOTS, a program loads its slots and value gradients once, as tiles, for the
-# scatter factors (PERF_NOTES 53: faster from KP = 16 on, slower for float32 at KP = 8).
+# scatter factors (faster from KP = 16 on, slower for float32 at KP = 8).
 _FWD_BLOCK = 2048
 _FWD_CHUNK = 512
 _FWD_MAX_ROWS = 16
@@ -98,7 +98,7 @@ _FWD_WARPS = 4
 _WARP_LOAD_BYTES = 512
 _WARP_ROW_BYTES = 2048
 # Elements of the widest merge stage (CS) a thread holds at most: a wide stage (k = 32 and more
-# at two factors) is sorted, and its rows are best one or two to a warp (PERF_NOTES 50).
+# at two factors) is sorted, and its rows are best one or two to a warp.
 _STAGE_PER_THREAD = 8
 _BWD_COLS = 256
 _BWD_BLOCK = 2048
@@ -119,7 +119,7 @@ _MIN_KEY32 = tl.constexpr(-(2**31))
 # Top lists of at most this many int32 / int64 keys are taken by rounds of a maximum (``_top``),
 # longer ones by ``tl.topk``'s sorting network (int64: the cut-off where the rounds compile to
 # fewer instructions at factors (256, 256); int32: where they also take fewer shuffles, which
-# cost the GPU more than other instructions, PERF_NOTES 47).
+# cost the GPU more than other instructions).
 _ITER32 = tl.constexpr(32)
 _ITER64 = tl.constexpr(8)
 
@@ -411,7 +411,7 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
     program gets one warp and at most _WARP_ROW_BYTES of rows (ptxas: float32 (256, 256) at
     k = 8, 254 registers with 8 rows on 2 warps, 137 with 4 on one). Then rows are halved
     until a thread holds at most _STAGE_PER_THREAD elements of the widest merge stage. The
-    last two rules come from a sweep on the H200 (PERF_NOTES 50)."""
+    last two rules come from a sweep of launch configurations on an H200."""
     meta = {}
     narrowest, widest_factor, widest_stage = 32, 1, 1
     for f in range(4):

@@ -21,7 +21,7 @@ then read entries), separated by barriers: one writer per row at a time, in entr
 the result is bitwise deterministic (on the one-tile path every pass after the first is an
 atomic add; each chunk loads the write indices and the write entries' snapshot rows of the
 chunk after it in the walk while its own work is in flight, and every read-only operand of a
-chunk before the chunk's first store, which a later load would wait for: PERF_NOTES 20).
+chunk before the chunk's first store, which a later load would wait for).
 ``_dual_matmul_bwd_kernel`` then forms dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per
 chunk over all D columns, its dots in tf32x3 (three tensor-core products: about float32's
 accuracy at a third of the FMA dots' time).
@@ -96,7 +96,7 @@ def _recurrence_bwd_kernel(
     cols = c0 + tl.arange(0, BD)
     # The same columns, declared contiguous in runs of 4 only, for the snapshot's rows (as in
     # the forward: a bfloat16 or byte load of runs of 16 gets a layout of its own, and the
-    # conversions cost registers: 60 bytes of spills with the fp8 snapshot; PERF_NOTES 22).
+    # conversions cost registers: spills with the fp8 snapshot otherwise).
     rcols = tl.max_contiguous(cols, 4)
     h = p % H
     pid_c = tl.program_id(0) % (D // BD)

@@ -15,7 +15,7 @@ the write and read rows (and store them as the snapshot), u = beta (v - retrieve
 and out = inter + QX u by full-float32 dots, then, after a barrier, write. Without a snapshot
 (the in-place and inference forwards) the walk forms only delta and stores res = v - retrieved
 and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta res) afterwards, one
-program a chunk and stream, in tf32x3: the walk then fits two programs an SM (PERF_NOTES 40).
+program a chunk and stream, in tf32x3: the walk then fits two programs an SM.
 Where the walk's programs are no more than the SMs and the bank is float32 (``walk_forms_out``:
 few streams), it forms out itself by the full-float32 dot, as with a snapshot; which of the two
 a call takes depends on its streams, D, bank dtype and the device's SM count alone.
@@ -139,8 +139,8 @@ def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
 def _gather(row_p, ok, w, cols, KEEP: tl.constexpr):
     """Rows [TB, EP, BD] starting at ``row_p`` [TB, EP] (float32, zero where not ``ok``) and
     their sums weighted by ``w`` over the entries, [TB, BD]. ``KEEP`` asks L2 to keep the rows
-    (evict_last): the one-tile walk without a snapshot, 1-2% faster so (PERF_NOTES 42); the
-    other walks keep the default, not timed with it."""
+    (evict_last): the one-tile walk without a snapshot is slightly faster so; the other walks
+    keep the default."""
     rows = tl.load(row_p[:, :, None] + cols[None, None, :], mask=ok[:, :, None], other=0.0,
                    eviction_policy="evict_last" if KEEP else "").to(tl.float32)
     return rows, tl.sum(w[:, :, None] * rows, 1)
@@ -182,7 +182,7 @@ def _recurrence_fwd_kernel(
     # The same columns, declared contiguous in runs of 4 only, for the bank's and the snapshot's
     # rows ([TB, EP, BD] tiles): with runs of 16, Triton gives a bfloat16 or byte access 8 or 16
     # elements a thread, a layout of its own, and converting it to and from the float32 tiles'
-    # 4 a thread spilled 450-570 bytes a thread (Triton 3.6's ptxas; PERF_NOTES 22).
+    # 4 a thread spills hundreds of bytes a thread.
     rcols = tl.max_contiguous(cols, 4)
     h = p % H
     bank_p = bank + p.to(tl.int64) * S * D
@@ -285,15 +285,14 @@ def _recurrence_fwd_kernel(
             tl.debug_barrier()          # every gather of the chunk precedes its first write
             if not SNAPSHOT and OUT_WALK:
                 # With at most one program an SM, out in the walk (the second dot costs no
-                # occupancy there), stored after the barrier rather than with the dots (on the
-                # H200, Triton 3.6, 0.99-1.08 ms this way and 1.31-1.35 ms the other; PERF_NOTES
-                # 12).
+                # occupancy there), stored after the barrier rather than with the dots (about a
+                # quarter faster so).
                 tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
                          mask=tok_ok[:, None])
             elif not SNAPSHOT:
                 # Else out = inter + QX u is left to _out_kernel, which forms it after the walk
                 # from the res and inter stored here (after the barrier, as above): the walk does
-                # one dot a chunk, not two, and fits two programs an SM (PERF_NOTES 40).
+                # one dot a chunk, not two, and fits two programs an SM.
                 tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
                          mask=tok_ok[:, None])
                 tl.store(inter_buf + tok[:, None] * D + cols[None, :], inter,
@@ -343,8 +342,8 @@ def _recurrence_fwd_kernel(
                 tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
             tl.debug_barrier()
             # (2) Dual matmul: delta = X u, out = inter + QX u, each RB rows of X and QX in
-            # slices of KB tokens of u (a float32 dot over all C = 128 tokens at once spilled
-            # 770 bytes a thread by Triton 3.6's ptxas; PERF_NOTES 22). Each block of rows
+            # slices of KB tokens of u (a float32 dot over all C = 128 tokens at once spills
+            # hundreds of bytes a thread). Each block of rows
             # loads u's slices again from res (cache hits): holding u for all of them is what
             # spilled.
             for rb in range(0, C, RB):
@@ -400,10 +399,10 @@ def _out_kernel(QX, beta, res, inter, out, chunks, T, H, D: tl.constexpr, C: tl.
                 BK: tl.constexpr, VARLEN: tl.constexpr):
     """out = inter + QX u (u = beta res) for one chunk (or chunk slot) and stream over all D
     columns, BK at a time, after the one-tile walk without a snapshot stored res and inter. The
-    product in tf32x3 (three tensor-core products, about float32's accuracy: SPEC section 5 asks
-    full float32 dots of the WY solve, not of this one), 1.9e-7 of the largest value from a
-    float64 one at the reference shape against full float32's 6.1e-7, and 121 us there against
-    179-248 (PERF_NOTES 40)."""
+    product in tf32x3 (three tensor-core products, about float32's accuracy: the numerical
+    contract asks full float32 dots of the WY solve, not of this one): 1.9e-7 of the largest
+    value from a float64 one at the reference shape against full float32's 6.1e-7, and faster
+    than full float32 dots."""
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
@@ -438,9 +437,9 @@ def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.
     """Whether the one-tile walk without a snapshot forms out itself: with a float32 bank where
     its ``streams * D / BLOCK_D`` programs are no more than the SMs (one program an SM at most,
     as at B = 1 or 2, H = 8), rather than leaving out to ``_out_kernel`` so that the walk fits
-    two programs an SM (the reference shape's 256 programs on 132 SMs; PERF_NOTES 40). On the
-    H200 the walk's out is 5-9% faster with a float32 bank at B = 1 and 2 and 4-9% slower with
-    a bfloat16 one (PERF_NOTES 44)."""
+    two programs an SM (the reference shape's 256 programs on 132 SMs). On an H200 the walk's
+    out is 5-9% faster with a float32 bank at B = 1 and 2 and 4-9% slower with a bfloat16
+    one."""
     sms = sm_count(device) if _WALK_SMS is None else _WALK_SMS
     return bank_dtype == torch.float32 and streams * (D // BLOCK_D) <= sms
 
