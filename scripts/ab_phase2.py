@@ -19,13 +19,13 @@ from _ab import each_run, parser, print_differences
 
 _WORKER = r"""
 import os, sys, torch
-from sdm_ops import bench, ops, recurrence
+from sdm_ops import bench, ops
 path, bank_dtype, mode, C = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 assert bench.__file__.startswith(os.getcwd() + os.sep), bench.__file__   # this copy's package
 a = bench.make_workload(8, 4096, 8, 64, 65536, 8, 8, decay=True,
                         bank_dtype=getattr(torch, bank_dtype))
 S = a["bank"].shape[-2]
-prep, X, QX, _ = recurrence._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
+prep, X, QX, _ = ops._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
                                      a["read_idx"], a["read_w"], a["decay"], S, C, None)
 _, _, gw, gr, sw, rd, rank, read_rank = prep
 fwd_in = (a["v"], a["beta"], a["write_idx"], a["read_idx"], gw, gr, sw, rd, rank, read_rank, X,

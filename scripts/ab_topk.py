@@ -7,7 +7,7 @@ For each variant, each case (factors and k; by default those of ``sdm_ops.bench_
 ``sdm_ops.product_key_topk`` without autograd on 262144 rows of ``torch.randn`` (seed 0;
 median of 20 calls, after a first call that compiles, whose wall time it prints too) and
 replayed from a CUDA graph of ten calls (the kernels' time without the host's dispatch), then
-the backward op (``sdm::product_key_topk_backward``) alone on the returned lin, replayed
+the backward op (``sdm_internal::product_key_topk_backward``) alone on the returned lin, replayed
 likewise; it keeps a SHA-1 of the returned val, lin and gradient and says, per case, whether
 every variant returned the same bits as the first. Usage: ``python scripts/ab_topk.py
 .ab/base .ab/new [--rounds 2] [--cases 256,256:8 256,256:32 4096,3:256] [--rows 262144]``.
@@ -45,7 +45,7 @@ for case in sys.argv[3:]:
         # The backward op alone, replayed likewise, on fixed value gradients.
         grad_val = torch.randn(val.shape, device="cuda", generator=torch.Generator(
             "cuda").manual_seed(1)).to(dtype)
-        backward = lambda: torch.ops.sdm.product_key_topk_backward(lin, grad_val,
+        backward = lambda: torch.ops.sdm_internal.product_key_topk_backward(lin, grad_val,
                                                                    list(factors), dtype)
         grad = backward()
         graph = bench._captured(lambda: [backward() for _ in range(10)])

@@ -3,7 +3,7 @@ of ``scripts/ab_phase2.py``, with the same variants: directories holding a copy 
 ``sdm_ops`` package, each run in a fresh process from its own directory).
 
 For each variant and chunk size this times ``sdm::wy_solve`` (forward) and
-``sdm::wy_solve_backward`` on N chunks of random inputs (4096 of 64 and 2048 of 128 tokens,
+``sdm_internal::wy_solve_backward`` on N chunks of random inputs (4096 of 64 and 2048 of 128 tokens,
 the reference workload's count; median of 20 calls), checks that two backward calls agree
 bitwise, and keeps 4096 sampled positions of every output; then it prints each variant's
 largest difference from the first's at those positions, relative to the first's largest
@@ -29,10 +29,11 @@ for n, c in ((4096, 64), (2048, 128)):
     dQX = torch.randn(n, c, c, device="cuda", generator=g)
     X, QX = torch.ops.sdm.wy_solve(A, beta, QK)
     fwd_ms = bench._time_ms(lambda: torch.ops.sdm.wy_solve(A, beta, QK))
-    grads = torch.ops.sdm.wy_solve_backward(A, beta, QK, X, dX, dQX)
+    grads = torch.ops.sdm_internal.wy_solve_backward(A, beta, QK, X, dX, dQX)
     same = all(torch.equal(a, b) for a, b in
-               zip(grads, torch.ops.sdm.wy_solve_backward(A, beta, QK, X, dX, dQX)))
-    bwd_ms = bench._time_ms(lambda: torch.ops.sdm.wy_solve_backward(A, beta, QK, X, dX, dQX))
+               zip(grads, torch.ops.sdm_internal.wy_solve_backward(A, beta, QK, X, dX, dQX)))
+    bwd_ms = bench._time_ms(
+        lambda: torch.ops.sdm_internal.wy_solve_backward(A, beta, QK, X, dX, dQX))
     pick = torch.Generator(device="cuda").manual_seed(11)
     samples = {}
     for name, t in zip(("X", "QX", "dA", "dbeta", "dQK"), (X, QX) + tuple(grads)):

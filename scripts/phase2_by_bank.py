@@ -2,7 +2,7 @@
 workload's shape over bank sizes S: whether its time follows DRAM (a bank far larger than L2)
 or stays when every stream's rows fit in L2.
 
-For each S, phase 1 and the WY solve run once; then ``sdm::recurrence_fwd_`` (phase 2 in place,
+For each S, phase 1 and the WY solve run once; then ``ops.recurrence_fwd_`` (phase 2 in place,
 no snapshot) and the backward's launcher (``kernels.recurrence_bwd``: phase 2's backward from a
 float32 snapshot, then the dual-matmul kernel and the partials' sums, about 0.2 ms; no bank
 copy) are timed alone, median of 20 CUDA-event timings, eagerly (the host's work before a

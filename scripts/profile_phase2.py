@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from sdm_ops import bench, ops, recurrence
+from sdm_ops import bench, ops
 
 
 def phase2_inputs(a: dict, chunk_size: int, snapshot: str):
@@ -21,7 +21,7 @@ def phase2_inputs(a: dict, chunk_size: int, snapshot: str):
     operands (v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
     read_rank, X, QX, bank, snapshot), and random output and bank gradients (float32)."""
     S = a["bank"].shape[-2]
-    prep, X, QX, _ = recurrence._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
+    prep, X, QX, _ = ops._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
                                          a["read_idx"], a["read_w"], a["decay"], S, chunk_size,
                                          None)
     _, _, gw, gr, sw, rd, rank, read_rank = prep

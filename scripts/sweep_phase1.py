@@ -1,5 +1,5 @@
-"""Phase 1 alone (the sort, pairs and dense kernels of ``sdm::chunk_prepare`` and its backward,
-and the WY solve) across launch configurations, kernel by kernel.
+"""Phase 1 alone (the sort, pairs and dense kernels of ``sdm_internal::chunk_prepare`` and its
+backward, and the WY solve) across launch configurations, kernel by kernel.
 
 Each configuration runs in a process of its own (so that a swapped sort is compiled afresh):
 ``SW:PW[:tlsort]`` (or ``default``) is the sort kernel's warps, the one-window pairs kernels'
@@ -26,7 +26,7 @@ import triton.language as tl
 
 
 def _worker(cfg: str, result: str, reps: int, hot: int | None) -> None:
-    from sdm_ops import bench, ops, recurrence
+    from sdm_ops import bench, ops
     from sdm_ops.kernels import chunk_prepare as cp
 
     parts = cfg.split(":")
@@ -44,7 +44,7 @@ def _worker(cfg: str, result: str, reps: int, hot: int | None) -> None:
     g = torch.Generator(device="cuda").manual_seed(5)
 
     def run():
-        prep, X, QX, _ = recurrence._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
+        prep, X, QX, _ = ops._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
                                              a["read_idx"], a["read_w"], a["decay"], S, C, None)
         grads = [torch.randn(t.shape, device="cuda", generator=g.manual_seed(7 + i))
                  for i, t in enumerate(prep[:6])]

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from sdm_ops import bench, ops, recurrence
+from sdm_ops import bench, ops
 from sdm_ops.kernels import recurrence_bwd as kb
 from sdm_ops.kernels import recurrence_fwd as kf
 
@@ -29,7 +29,7 @@ def main() -> None:
     a = bench.make_workload(*shape, decay=True, bank_dtype=getattr(torch, args.bank_dtype))
     C = 64
     S = a["bank"].shape[-2]
-    prep, X, QX, _ = recurrence._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
+    prep, X, QX, _ = ops._phase1(a["v"], a["beta"], a["write_idx"], a["write_w"],
                                          a["read_idx"], a["read_w"], a["decay"], S, C, None)
     _, _, gw, gr, sw, rd, rank, read_rank = prep
     fwd_in = (a["v"], a["beta"], a["write_idx"], a["read_idx"], gw, gr, sw, rd, rank, read_rank,
