@@ -279,8 +279,8 @@ def _chunk_betas_backward(dbetas: Tensor, beta: Tensor, chunk_size: int,
 
 
 def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
-    """Phase 1 and the WY solve: (chunk_prepare's outputs, X, QX [lead, H, N, C, C], the chunk
-    tables (chunks, seq_chunks), None, None without ``cu_seqlens``)."""
+    """Phase 1 and the WY solve: (chunk_prepare's outputs, X, QX as [lead, H, N, C, C],
+    (chunks, seq_chunks)); the chunk tables are None without ``cu_seqlens``."""
     chunks, seq_chunks = (None, None) if cu_seqlens is None else varlen_chunks(
         cu_seqlens, v.shape[1], C)
     prep = chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows=S, chunk_size=C,
@@ -290,7 +290,7 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
 
 
-# The inference forward's bank copy beside phase 1 (``_copy_beside``, PERF_NOTES 27) takes one
+# The inference forward's bank copy beside phase 1 (``_copy_beside``) takes one
 # program for every _COPY_SM_SHARE SMs, which copies at about 60% of a whole-GPU copy's speed;
 # so it runs beside phase 1 only while the bank holds at most _COPY_BESIDE_BYTES a chunk of
 # phase 1 (the reference workload: 256 KiB; S = 2^20 with one batch row: 16 MiB, in order).
@@ -343,21 +343,24 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     if not keep_for_backward:
         banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         bank_out, side = _copy_beside(bank, banks, B * H * -(-T // C))
-    prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
-                                  cu_seqlens)
+    prep, X, QX, (chunks, seq_chunks) = _phase1(v, beta, write_idx, write_w, read_idx, read_w,
+                                                decay, S, C, cu_seqlens)
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
     if not keep_for_backward:
         if side is not None:
             torch.cuda.current_stream(bank.device).wait_stream(side)
-        out = recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
-                              scatter_w, row_decay, rank, X, QX, *tables)
+        out = recurrence_fwd_(
+            bank_out, v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r,
+            scatter_w=scatter_w, row_decay=row_decay, rank=rank, X=X, QX=QX, chunks=chunks,
+            seq_chunks=seq_chunks)
         return out, bank_out, []
-    out, bank_out, *saved = recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
-                                           scatter_w, row_decay, rank, read_rank, X, QX, bank,
-                                           snapshot, *tables)
+    out, bank_out, *saved = recurrence_fwd(
+        v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r, scatter_w=scatter_w,
+        row_decay=row_decay, rank=rank, read_rank=read_rank, X=X, QX=QX, bank=bank,
+        snapshot=snapshot, chunks=chunks, seq_chunks=seq_chunks)
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
-        kept += tables
+        kept += [chunks, seq_chunks]
     return out, bank_out, kept
 
 
@@ -397,8 +400,9 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = recurrence_bwd(
-        beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, X,
-        QX, res, delta, bank_rows=ctx.bank_rows, snap=snap, snap_scale=snap_scale,
+        beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r, scatter_w=scatter_w,
+        row_decay=row_decay, rank=rank, read_rank=read_rank, X=X, QX=QX, res=res, delta=delta,
+        bank_rows=ctx.bank_rows, snap=snap, snap_scale=snap_scale,
         snapshot=ctx.snapshot, dout=None if dout is None else dout.contiguous(),
         dbank_out=None if dbank_out is None else dbank_out.contiguous(), v_dtype=ctx.v_dtype,
         chunks=chunks, seq_chunks=seq_chunks)
@@ -461,12 +465,14 @@ def sparse_delta_memory_(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Te
     if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
         out = decode_step_(state, v, beta, write_idx, write_w, read_idx, read_w, decay)
     else:
-        prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
-                                      bank.shape[-2], _inplace_chunk_size(T, chunk_size),
-                                      cu_seqlens)
+        prep, X, QX, (chunks, seq_chunks) = _phase1(
+            v, beta, write_idx, write_w, read_idx, read_w, decay, bank.shape[-2],
+            _inplace_chunk_size(T, chunk_size), cu_seqlens)
         _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
-        out = recurrence_fwd_(state, v, beta, write_idx, read_idx, gather_w, gather_r,
-                              scatter_w, row_decay, rank, X, QX, *tables)
+        out = recurrence_fwd_(
+            state, v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r,
+            scatter_w=scatter_w, row_decay=row_decay, rank=rank, X=X, QX=QX, chunks=chunks,
+            seq_chunks=seq_chunks)
     if state is not bank:       # a bank of another dense layout: updated through a copy
         bank.copy_(state)
     return out
