@@ -128,11 +128,15 @@ def test_kernel_gradients_of_a_loss_on_the_bank_alone_match_reference(phase2_til
 
 def test_backward_of_the_operator_run_without_keep_for_backward_raises_a_clear_error():
     """What the public function passes without autograd (the inference forward) keeps nothing:
-    a backward asked of it later says so."""
+    a backward asked of it later says so. With it, the operator's third output holds what the
+    backward reads, none of it differentiable."""
     a = make_sdm_inputs(T=9, seed=31)
     v = a["v"].clone().requires_grad_()
-    out, _, kept = torch.ops.sdm.sparse_delta_memory(*(dict(a, v=v).get(k) for k in ORDER),
-                                                     keep_for_backward=False)
+    args = [dict(a, v=v).get(k) for k in ORDER]
+    _, _, kept = torch.ops.sdm.sparse_delta_memory(*args)
+    assert len(kept) == len(sdm_ops.ops.KEPT_FOR_BACKWARD)
+    assert not any(t.requires_grad for t in kept)
+    out, _, kept = torch.ops.sdm.sparse_delta_memory(*args, keep_for_backward=False)
     assert kept == [] and out.requires_grad
     with pytest.raises(RuntimeError, match="keep_for_backward=False"):
         out.sum().backward()
