@@ -155,16 +155,16 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
     # bank overwritten right after the call (the copy read it before), and replayed from a
     # CUDA graph on new inputs (the fork and the join captured). The bank is large enough
     # (64 MiB) for the copy to outlast phase 1 at this T.
-    from sdm_ops import recurrence
-    monkeypatch.setattr(recurrence, "_COPY_BESIDE_BYTES", 2 ** 40 if beside else 0)
+    from sdm_ops import ops
+    monkeypatch.setattr(ops, "_COPY_BESIDE_BYTES", 2 ** 40 if beside else 0)
     sides = []
-    copy_beside = recurrence._copy_beside
+    copy_beside = ops._copy_beside
 
     def spy(*args):
         bank_out, side = copy_beside(*args)
         sides.append(side)
         return bank_out, side
-    monkeypatch.setattr(recurrence, "_copy_beside", spy)
+    monkeypatch.setattr(ops, "_copy_beside", spy)
     shape = dict(B=2, T=200, H=2, D=64, S=65536, W=8, R=8, decay=True, device="cuda")
     rest = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
 

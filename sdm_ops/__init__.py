@@ -1,7 +1,7 @@
 """sdm_ops: compile-native PyTorch operators for the sparse delta memory recurrence."""
 
 from . import nn  # noqa: F401  (sdm_ops.nn.SparseDeltaMemory)
-from . import ops as _ops  # noqa: F401  (registers the sdm:: operators)
+from . import ops as _ops  # noqa: F401  (registers the sdm:: and sdm_internal:: operators)
 from .product_key import TopK, product_key_topk
 from .recurrence import SDMOutput, sparse_delta_memory, sparse_delta_memory_
 from .wy import WYSolution, wy_solve

@@ -1,15 +1,37 @@
-"""The inventory: every operator sdm_ops registers, in namespace ``sdm``.
+"""The inventory: every operator sdm_ops registers.
 
-Each operator is a ``torch.library.triton_op``. Its body launches Triton kernels (through the
-launchers of ``sdm_ops.kernels``, which use ``wrap_triton``) when ``use_kernels`` says so (CUDA
-tensors), and otherwise calls ``sdm::<op>_reference``, an opaque ``custom_op`` running the
-reference of ``sdm_ops.reference``. Under ``torch.compile`` the body is traced, so Inductor sees
-the user-defined Triton kernels themselves (and, on CPU, one call of the reference operator).
+Namespace ``sdm`` (``torch.ops.sdm``) holds the public operators, one for each public function,
+which call it once after checking their arguments:
+
+* ``sdm::sparse_delta_memory(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
+  chunk_size=64, snapshot="none", cu_seqlens=None, *, keep_for_backward=True)
+  -> (out, bank_out, kept)``: the recurrence, functional. ``kept`` holds what its backward reads
+  (``KEPT_FOR_BACKWARD``; empty with ``keep_for_backward=False``, which runs the inference
+  forward: no snapshot, phase 2 in place on a copy of the bank).
+* ``sdm::sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank(a!),
+  decay=None, chunk_size=64, cu_seqlens=None) -> out``: the recurrence updating ``bank``.
+* ``sdm::product_key_topk(raw, factors, k) -> (val, lin)``.
+* ``sdm::wy_solve(A, beta, QK) -> (X, QX)``.
+
+Namespace ``sdm_internal`` holds the pieces they run, which take contiguous inputs: the chunk
+tables of a packed batch (``varlen_chunks``), phase 1 (``chunk_prepare``), phase 2
+(``recurrence_fwd``; ``recurrence_fwd_`` in place), the bank copy (``bank_copy``), the decode
+step (``decode_step_``), the backward operators (``wy_solve_backward``,
+``product_key_topk_backward``, ``recurrence_bwd``, ``chunk_prepare_backward``) and the CPU
+twins ``<op>_reference``.
+
+Each operator is a ``torch.library.triton_op``. The body of an internal operator launches
+Triton kernels (through the launchers of ``sdm_ops.kernels``, which use ``wrap_triton``) when
+``use_kernels`` says so (CUDA tensors), and otherwise calls ``sdm_internal::<op>_reference``,
+an opaque ``custom_op`` running the reference of ``sdm_ops.reference``. The body of
+``sdm::sparse_delta_memory`` and ``sdm::sparse_delta_memory_`` calls internal operators. Under
+``torch.compile`` the bodies are traced, the internal operators' in turn, so Inductor sees the
+user-defined Triton kernels themselves (and, on CPU, one call of each reference operator).
 Every operator has an explicit fake in ``sdm_ops.meta``; the kernel branches allocate their
-outputs with those same functions, so fake and real layouts cannot drift apart. Differentiable
-operators register their backward, itself an ``sdm`` operator. Operators take contiguous inputs
-(the public functions make them so) and return contiguous outputs; they do not validate
-arguments beyond what the kernels need.
+outputs with those same functions, so fake and real layouts cannot drift apart. The
+differentiable public operators register their backward, which calls internal operators. The
+public operators take inputs of any dense layout (they make them contiguous) and every
+operator returns contiguous outputs; none validates arguments beyond what the kernels need.
 """
 
 from __future__ import annotations
@@ -18,28 +40,45 @@ import math
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op
 
 from . import reference
-from .kernels._common import on_device, use_kernels
+from .kernels._common import on_device, sm_count, use_kernels
 from .meta import product_key_topk as product_key_topk_meta
 from .meta import recurrence as recurrence_meta
 from .meta import wy_solve as wy_solve_meta
 
+PUBLIC = "sdm"
+INTERNAL = "sdm_internal"
+
 
 def _reference_op(name: str, fn, fake, mutates_args=()):
-    """Register ``fn`` (the reference) as the opaque custom op ``sdm::<name>_reference``.
+    """Register ``fn`` (the reference) as the opaque custom op ``sdm_internal::<name>_reference``.
 
     The CPU branch of a triton_op body calls it: torch.compile traces triton_op bodies, and
     tracing the reference itself would unroll its loop over chunks (a recompilation for every
     chunk count); an opaque op with a fake compiles once for all shapes."""
-    op = torch.library.custom_op(f"sdm::{name}_reference", fn, mutates_args=mutates_args)
+    op = torch.library.custom_op(f"{INTERNAL}::{name}_reference", fn, mutates_args=mutates_args)
     op.register_fake(fake)
     return op
 
 
+def _traced(t: Tensor) -> bool:
+    """Whether an operator body runs traced (torch.compile, torch.export, opcheck's checks: fake
+    or functional tensors) rather than eagerly on ``t`` itself."""
+    return torch.compiler.is_compiling() or isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def _no_double_backward(name: str) -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"sdm_ops: {name} does not support double backward (its backward "
+                           "is not differentiable); do not pass create_graph=True")
+
+
 # ---------------------------------------------------------------------------
-# sdm::wy_solve
+# sdm::wy_solve, sdm_internal::wy_solve_backward
 # ---------------------------------------------------------------------------
 
 
@@ -55,6 +94,7 @@ _wy_solve_reference = _reference_op("wy_solve", _wy_solve_cpu, wy_solve_meta.wy_
 @triton_op("sdm::wy_solve", mutates_args=())
 def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
     """X = (I + tril(beta A, -1))^-1, QX = tril(QK) X; A, QK [N, C, C], beta [N, C], float32."""
+    A, beta, QK = A.contiguous(), beta.contiguous(), QK.contiguous()
     if use_kernels(A):
         from .kernels import wy_solve as k
         X, QX = A.new_empty(A.shape), A.new_empty(A.shape)
@@ -66,7 +106,7 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
 
 def _wy_solve_backward_cpu(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor,
                            dQX: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The CPU path of ``sdm::wy_solve_backward``: the reference."""
+    """The CPU path of ``sdm_internal::wy_solve_backward``: the reference."""
     dA, dbeta, dQK = reference.wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
     return dA.contiguous(), dbeta.contiguous(), dQK.contiguous()
 
@@ -75,7 +115,7 @@ _wy_solve_backward_reference = _reference_op(
     "wy_solve_backward", _wy_solve_backward_cpu, wy_solve_meta.wy_solve_backward_fake, ())
 
 
-@triton_op("sdm::wy_solve_backward", mutates_args=())
+@triton_op("sdm_internal::wy_solve_backward", mutates_args=())
 def wy_solve_backward(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor,
                       dQX: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dA, dbeta, dQK) of ``wy_solve`` (strict lower, [N, C], lower triangle)."""
@@ -97,7 +137,8 @@ def _wy_solve_grad(ctx, dX, dQX):
     A, beta, QK, X = ctx.saved_tensors
     dX = torch.zeros_like(X) if dX is None else dX.contiguous()
     dQX = torch.zeros_like(X) if dQX is None else dQX.contiguous()
-    return tuple(torch.ops.sdm.wy_solve_backward(A, beta, QK, X, dX, dQX))
+    return tuple(wy_solve_backward(A.contiguous(), beta.contiguous(), QK.contiguous(), X, dX,
+                                   dQX))
 
 
 wy_solve.register_fake(wy_solve_meta.wy_solve_fake)
@@ -105,7 +146,7 @@ wy_solve_backward.register_fake(wy_solve_meta.wy_solve_backward_fake)
 wy_solve.register_autograd(_wy_solve_grad, setup_context=_wy_solve_setup)
 
 # ---------------------------------------------------------------------------
-# sdm::product_key_topk
+# sdm::product_key_topk, sdm_internal::product_key_topk_backward
 # ---------------------------------------------------------------------------
 
 
@@ -122,6 +163,7 @@ _product_key_topk_reference = _reference_op(
 @triton_op("sdm::product_key_topk", mutates_args=())
 def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k over product keys: raw [..., sum(factors)] -> (val, lin) [..., kk]."""
+    raw = raw.contiguous()
     kk = min(k, math.prod(factors))
     shape = (*raw.shape[:-1], kk)
     if use_kernels(raw):
@@ -137,7 +179,7 @@ def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, T
 
 def _product_key_topk_backward_cpu(lin: Tensor, grad_val: Tensor, factors: list[int],
                                    dtype: torch.dtype) -> Tensor:
-    """The CPU path of ``sdm::product_key_topk_backward``: the reference."""
+    """The CPU path of ``sdm_internal::product_key_topk_backward``: the reference."""
     grad = reference.product_key_topk_backward_reference(lin, grad_val, tuple(factors))
     return grad.to(dtype).contiguous()
 
@@ -147,7 +189,7 @@ _product_key_topk_backward_reference = _reference_op(
     product_key_topk_meta.product_key_topk_backward_fake, ())
 
 
-@triton_op("sdm::product_key_topk_backward", mutates_args=())
+@triton_op("sdm_internal::product_key_topk_backward", mutates_args=())
 def product_key_topk_backward(lin: Tensor, grad_val: Tensor, factors: list[int],
                               dtype: torch.dtype) -> Tensor:
     """grad_raw [..., sum(factors)] of ``product_key_topk``, in ``dtype``."""
@@ -174,8 +216,7 @@ def _topk_grad(ctx, grad_val, _grad_lin):
     (lin,) = ctx.saved_tensors
     if grad_val is None:
         grad_val = torch.zeros(lin.shape, dtype=ctx.dtype, device=lin.device)
-    grad = torch.ops.sdm.product_key_topk_backward(lin, grad_val.contiguous(), ctx.factors,
-                                                   ctx.dtype)
+    grad = product_key_topk_backward(lin, grad_val.contiguous(), ctx.factors, ctx.dtype)
     return grad, None, None
 
 
@@ -184,13 +225,269 @@ product_key_topk_backward.register_fake(product_key_topk_meta.product_key_topk_b
 product_key_topk.register_autograd(_topk_grad, setup_context=_topk_setup)
 
 # ---------------------------------------------------------------------------
-# The recurrence: sdm::varlen_chunks (a packed batch's chunk tables), sdm::chunk_prepare
-# (phase 1), sdm::wy_solve, sdm::recurrence_fwd (phase 2), sdm::decode_step_ (one token)
+# sdm::sparse_delta_memory, sdm::sparse_delta_memory_: phase 1 (sdm_internal::chunk_prepare),
+# the WY solve (sdm::wy_solve) and phase 2 (sdm_internal::recurrence_fwd / recurrence_fwd_), or
+# one decode step (sdm_internal::decode_step_), with no host synchronization
+# ---------------------------------------------------------------------------
+
+# What the functional forward keeps for its backward, in the order of its ``kept`` output:
+# phase 1's outputs, the WY solve's, phase 2's saved tensors and, for a packed batch, its chunk
+# tables (chunks, seq_chunks).
+KEPT_FOR_BACKWARD = ("A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay", "rank",
+                     "read_rank", "X", "QX", "snap", "snap_scale", "res", "delta")
+
+
+def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
+    """beta [B, T, H] -> [B * H * N, C] float32 (float64 for float64 beta), zero past T (the WY
+    solve's layout); for a packed batch [H * NC, C] over its chunk slots, zero past each chunk's
+    tokens."""
+    B, T, H = beta.shape
+    C = chunk_size
+    wd = torch.promote_types(beta.dtype, torch.float32)
+    if chunks is None:
+        N = -(-T // C)
+        x = beta.to(wd).transpose(1, 2)
+        x = torch.nn.functional.pad(x, (0, N * C - T))
+        return x.reshape(B * H * N, C)
+    NC = chunks.shape[0]
+    if T == 0:
+        return beta.new_zeros(H * NC, C, dtype=wd)
+    i = torch.arange(C, device=beta.device)
+    tok = (chunks[:, :1] + i).clamp(max=T - 1)                                    # [NC, C]
+    x = torch.where((i < chunks[:, 1:])[..., None], beta[0].to(wd)[tok], 0.0)
+    return x.permute(2, 0, 1).reshape(H * NC, C)
+
+
+def _chunk_betas_backward(dbetas: Tensor, beta: Tensor, chunk_size: int,
+                          chunks: Tensor | None = None) -> Tensor | None:
+    """The gradient of ``beta`` through ``_chunk_betas``, in beta's dtype, from ``dbetas`` (its
+    output's): what autograd computes through it (the same copies; for a packed batch the same
+    accumulation, where each token receives its one value and zeros). None when beta does not
+    reach the output (an empty packed batch)."""
+    B, T, H = beta.shape
+    C = chunk_size
+    if chunks is None:
+        N = -(-T // C)
+        return dbetas.view(B, H, N * C)[..., :T].transpose(1, 2).to(beta.dtype)
+    NC = chunks.shape[0]
+    if T == 0:
+        return None
+    i = torch.arange(C, device=beta.device)
+    tok = (chunks[:, :1] + i).clamp(max=T - 1)                                    # [NC, C]
+    g = torch.where((i < chunks[:, 1:])[..., None], dbetas.view(H, NC, C).permute(1, 2, 0), 0.0)
+    return g.new_zeros(T, H).index_put_((tok,), g, accumulate=True).to(beta.dtype)[None]
+
+
+def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
+    """Phase 1 and the WY solve: (chunk_prepare's outputs, X, QX as [lead, H, N, C, C],
+    (chunks, seq_chunks)); the chunk tables are None without ``cu_seqlens``."""
+    chunks, seq_chunks = (None, None) if cu_seqlens is None else varlen_chunks(
+        cu_seqlens, v.shape[1], C)
+    prep = chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows=S, chunk_size=C,
+                         chunks=chunks, seq_chunks=seq_chunks)
+    A, QK = prep[0], prep[1]
+    X, QX = wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C))
+    return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
+
+
+# The inference forward's bank copy beside phase 1 (``_copy_beside``) takes one
+# program for every _COPY_SM_SHARE SMs, which copies at about 60% of a whole-GPU copy's speed;
+# so it runs beside phase 1 only while the bank holds at most _COPY_BESIDE_BYTES a chunk of
+# phase 1 (the reference workload: 256 KiB; S = 2^20 with one batch row: 16 MiB, in order).
+_COPY_SM_SHARE = 4
+_COPY_BESIDE_BYTES = 512 * 1024
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.cuda.Stream | None]:
+    """``(bank_out, side)``: the inference forward's copy of the bank, issued on a second
+    stream ``side`` so that it runs beside phase 1 and the WY solve (over ``chunks`` chunks),
+    latency-bound kernels that leave most of the memory bandwidth idle; the caller makes its
+    stream wait for ``side`` before phase 2. The copy runs as one program for every
+    ``_COPY_SM_SHARE`` SMs (at least one a bank), so that the other stream's programs find
+    whole SMs free. Eager calls and CUDA-graph captures (where the fork becomes two branches of
+    the graph) take it; on the CPU, while traced (Inductor schedules one stream) and for a
+    bank of more than ``_COPY_BESIDE_BYTES`` a chunk, the copy runs in order, ``side`` None."""
+    if (not bank.is_cuda or _traced(bank) or banks * bank.shape[-3:].numel()
+            * bank.element_size() > _COPY_BESIDE_BYTES * max(chunks, 1)):
+        return bank_copy(bank, banks), None
+    dev = bank.device
+    side = _side_streams.get(dev.index)
+    if side is None:
+        side = _side_streams[dev.index] = torch.cuda.Stream(dev)
+    here = torch.cuda.current_stream(dev)
+    programs = max(1, sm_count(dev) // (_COPY_SM_SHARE * banks))
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        bank_out = bank_copy(bank, banks, programs)
+    bank_out.record_stream(here)      # allocated on side, used and freed on here
+    return bank_out, side
+
+
+@triton_op("sdm::sparse_delta_memory", mutates_args=())
+def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
+                        read_idx: Tensor, read_w: Tensor, bank: Tensor,
+                        decay: Tensor | None = None, chunk_size: int = 64,
+                        snapshot: str = "none", cu_seqlens: Tensor | None = None, *,
+                        keep_for_backward: bool = True) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The recurrence of ``sdm_ops.sparse_delta_memory``: (out, bank_out, kept). With
+    ``keep_for_backward`` phase 2 keeps the snapshots (``snapshot``) and ``kept`` holds what the
+    backward reads (``KEPT_FOR_BACKWARD``); without it (what the public function passes when no
+    input requires grad) nothing is kept, ``kept`` is empty and phase 2 runs in place on a copy
+    of the bank, made on a second stream beside phase 1 and the WY solve on the GPU."""
+    v, beta, write_idx, write_w, read_idx, read_w, bank = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
+    decay = None if decay is None else decay.contiguous()
+    B, T, H, _ = v.shape
+    S, C = bank.shape[-2], chunk_size
+    if not keep_for_backward:
+        banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        bank_out, side = _copy_beside(bank, banks, B * H * -(-T // C))
+    prep, X, QX, (chunks, seq_chunks) = _phase1(v, beta, write_idx, write_w, read_idx, read_w,
+                                                decay, S, C, cu_seqlens)
+    _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
+    if not keep_for_backward:
+        if side is not None:
+            torch.cuda.current_stream(bank.device).wait_stream(side)
+        out = recurrence_fwd_(
+            bank_out, v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r,
+            scatter_w=scatter_w, row_decay=row_decay, rank=rank, X=X, QX=QX, chunks=chunks,
+            seq_chunks=seq_chunks)
+        return out, bank_out, []
+    out, bank_out, *saved = recurrence_fwd(
+        v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r, scatter_w=scatter_w,
+        row_decay=row_decay, rank=rank, read_rank=read_rank, X=X, QX=QX, bank=bank,
+        snapshot=snapshot, chunks=chunks, seq_chunks=seq_chunks)
+    kept = [*prep, X, QX, *saved]
+    if cu_seqlens is not None:
+        kept += [chunks, seq_chunks]
+    return out, bank_out, kept
+
+
+def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
+    v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot, _ = inputs
+    kept = output[2]
+    ctx.mark_non_differentiable(*kept)
+    # out or the bank may get no gradient: no zero tensors are made for them (None reaches the
+    # backward).
+    ctx.set_materialize_grads(False)
+    ctx.keep_for_backward = keyword_only_inputs["keep_for_backward"]
+    ctx.chunk_size, ctx.snapshot, ctx.bank_rows = chunk_size, snapshot, bank.shape[-2]
+    ctx.v_dtype, ctx.bank_meta = v.dtype, (bank.dim(), bank.dtype)
+    if ctx.keep_for_backward:
+        ctx.save_for_backward(beta, write_idx, write_w, read_idx, read_w, decay, *kept)
+
+
+def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
+    """Phase 2's backward (``recurrence_bwd``), then, for the inputs that need them, the WY
+    solve's (``wy_solve_backward``; beta's share through ``_chunk_betas``) and phase 1's
+    (``chunk_prepare_backward``): the kernels, and the order of their float operations, of the
+    autograd graph of the operators composed one by one."""
+    _no_double_backward("sparse_delta_memory")
+    if not ctx.keep_for_backward:
+        raise RuntimeError(
+            "sdm::sparse_delta_memory ran with keep_for_backward=False, which keeps nothing for "
+            "a backward; call it with keep_for_backward=True to differentiate it "
+            "(sdm_ops.sparse_delta_memory does so whenever an input requires grad)")
+    (beta, write_idx, write_w, read_idx, read_w, decay, A, QK, gather_w, gather_r, scatter_w,
+     row_decay, rank, read_rank, X, QX, snap, snap_scale, res, delta,
+     *tables) = ctx.saved_tensors
+    chunks, seq_chunks = tables or (None, None)
+    beta, write_idx, write_w, read_idx, read_w = (
+        t.contiguous() for t in (beta, write_idx, write_w, read_idx, read_w))
+    decay = None if decay is None else decay.contiguous()
+    # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
+    # dispatcher passes no argument left at its default, so the tuple may be shorter).
+    needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
+    dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = recurrence_bwd(
+        beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r, scatter_w=scatter_w,
+        row_decay=row_decay, rank=rank, read_rank=read_rank, X=X, QX=QX, res=res, delta=delta,
+        bank_rows=ctx.bank_rows, snap=snap, snap_scale=snap_scale,
+        snapshot=ctx.snapshot, dout=None if dout is None else dout.contiguous(),
+        dbank_out=None if dbank_out is None else dbank_out.contiguous(), v_dtype=ctx.v_dtype,
+        chunks=chunks, seq_chunks=seq_chunks)
+    bank_dim, bank_dtype = ctx.bank_meta
+    if bank_dim == 3:
+        dbank = dbank.sum(0)
+    dbeta = dbeta.to(beta.dtype)
+    dww = drw = ddc = None
+    if needs[1] or needs[3] or needs[5] or needs[7]:
+        C = ctx.chunk_size
+        dA, dbetas, dQK = wy_solve_backward(
+            A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C), X.view(-1, C, C),
+            dX.view(-1, C, C), dQX.view(-1, C, C))
+        through_chunks = _chunk_betas_backward(dbetas, beta, C, chunks) if needs[1] else None
+        if through_chunks is not None:
+            dbeta = dbeta + through_chunks
+        if needs[3] or needs[5] or needs[7]:
+            wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
+            dww, drw, ddc = chunk_prepare_backward(
+                write_idx, write_w, read_idx, read_w, decay, bank_rows=ctx.bank_rows,
+                dA=dA.view(A.shape).to(wd), dQK=dQK.view(A.shape).to(wd),
+                d_gather_w=dgw.to(wd), d_gather_r=dgr.to(wd), d_scatter_w=dsw.to(wd),
+                d_row_decay=drd.to(wd), chunks=chunks, seq_chunks=seq_chunks)
+    grads = (dv if needs[0] else None, dbeta if needs[1] else None, None,
+             dww.to(write_w.dtype) if needs[3] else None, None,
+             drw.to(read_w.dtype) if needs[5] else None, dbank.to(bank_dtype) if needs[6] else None,
+             ddc.to(decay.dtype) if needs[7] else None)
+    # One gradient for each argument the dispatcher passed (chunk_size and the others get None).
+    return (grads + (None,) * 3)[:len(ctx.needs_input_grad)]
+
+
+sparse_delta_memory.register_fake(recurrence_meta.sparse_delta_memory_fake)
+sparse_delta_memory.register_autograd(_sparse_delta_memory_grad,
+                                      setup_context=_sparse_delta_memory_setup)
+
+
+def _inplace_chunk_size(T, chunk_size: int):
+    """``chunk_size`` (16, 32, 64 or 128), or for a sequence shorter than it the smallest of
+    those sizes that holds it: a short prefill runs in one small chunk."""
+    C = chunk_size
+    while C > 16 and C // 2 >= T:
+        C //= 2
+    return C
+
+
+@triton_op("sdm::sparse_delta_memory_", mutates_args=("bank",))
+def sparse_delta_memory_(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
+                         read_idx: Tensor, read_w: Tensor, bank: Tensor,
+                         decay: Tensor | None = None, chunk_size: int = 64,
+                         cu_seqlens: Tensor | None = None) -> Tensor:
+    """The recurrence of ``sdm_ops.sparse_delta_memory_``, updating ``bank`` [B, H, S, D] in
+    place and keeping nothing for a backward; returns out. One token per stream (T = 1, no
+    ``cu_seqlens``) is one decode step (``decode_step_``); a sequence shorter than
+    ``chunk_size`` runs in chunks of the smallest size that holds it (``_inplace_chunk_size``)."""
+    v, beta, write_idx, write_w, read_idx, read_w = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
+    decay = None if decay is None else decay.contiguous()
+    state = bank.contiguous()
+    T = v.shape[1]
+    if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
+        out = decode_step_(state, v, beta, write_idx, write_w, read_idx, read_w, decay)
+    else:
+        prep, X, QX, (chunks, seq_chunks) = _phase1(
+            v, beta, write_idx, write_w, read_idx, read_w, decay, bank.shape[-2],
+            _inplace_chunk_size(T, chunk_size), cu_seqlens)
+        _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
+        out = recurrence_fwd_(
+            state, v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r,
+            scatter_w=scatter_w, row_decay=row_decay, rank=rank, X=X, QX=QX, chunks=chunks,
+            seq_chunks=seq_chunks)
+    if state is not bank:       # a bank of another dense layout: updated through a copy
+        bank.copy_(state)
+    return out
+
+
+sparse_delta_memory_.register_fake(recurrence_meta.sparse_delta_memory_inplace_fake)
+
+# ---------------------------------------------------------------------------
+# sdm_internal: the recurrence's pieces: varlen_chunks (a packed batch's chunk tables),
+# chunk_prepare (phase 1), recurrence_fwd and recurrence_fwd_ (phase 2), decode_step_ (one token)
 # ---------------------------------------------------------------------------
 
 
 def _varlen_chunks_cpu(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """The CPU path of ``sdm::varlen_chunks``: the reference."""
+    """The CPU path of ``sdm_internal::varlen_chunks``: the reference."""
     chunks, seq_chunks = reference.varlen_chunks(cu_seqlens, T, chunk_size)
     return chunks.contiguous(), seq_chunks.contiguous()
 
@@ -199,7 +496,7 @@ _varlen_chunks_reference = _reference_op(
     "varlen_chunks", _varlen_chunks_cpu, recurrence_meta.varlen_chunks_fake, ())
 
 
-@triton_op("sdm::varlen_chunks", mutates_args=())
+@triton_op("sdm_internal::varlen_chunks", mutates_args=())
 def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
     """The chunk tables of a packed batch, (chunks [NC, 2], seq_chunks [N + 1]) int64, which
     every operator of the recurrence takes; see ``reference.varlen_chunks`` (any offsets give
@@ -220,7 +517,7 @@ def _chunk_prepare_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, rea
                        decay: Tensor | None, bank_rows: int, chunk_size: int,
                        chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The CPU path of ``sdm::chunk_prepare``: the reference."""
+    """The CPU path of ``sdm_internal::chunk_prepare``: the reference."""
     if chunks is not None:
         prep = reference.chunk_prepare_varlen_reference(write_idx, write_w, read_idx, read_w,
                                                         decay, bank_rows, chunk_size, chunks,
@@ -235,7 +532,7 @@ _chunk_prepare_reference = _reference_op(
     "chunk_prepare", _chunk_prepare_cpu, recurrence_meta.chunk_prepare_fake, ())
 
 
-@triton_op("sdm::chunk_prepare", mutates_args=())
+@triton_op("sdm_internal::chunk_prepare", mutates_args=())
 def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
                   decay: Tensor | None, bank_rows: int, chunk_size: int,
                   chunks: Tensor | None = None, seq_chunks: Tensor | None = None
@@ -257,19 +554,19 @@ def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: 
 
 
 # ---------------------------------------------------------------------------
-# sdm::bank_copy
+# sdm_internal::bank_copy
 # ---------------------------------------------------------------------------
 
 
 def _bank_copy_cpu(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
-    """The CPU path of ``sdm::bank_copy``."""
+    """The CPU path of ``sdm_internal::bank_copy``."""
     return bank.expand(banks, *bank.shape[-3:]).clone(memory_format=torch.contiguous_format)
 
 
 _bank_copy_reference = _reference_op("bank_copy", _bank_copy_cpu, recurrence_meta.bank_copy_fake)
 
 
-@triton_op("sdm::bank_copy", mutates_args=())
+@triton_op("sdm_internal::bank_copy", mutates_args=())
 def bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
     """The per-stream copy [banks, H, S, D] (contiguous) of an initial bank, [banks, H, S, D]
     or shared [H, S, D]: the state phase 2 updates in place and returns. A kernel rather than
@@ -294,7 +591,7 @@ def _recurrence_fwd_cpu(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Te
                         snapshot: str, chunks: Tensor | None = None,
                         seq_chunks: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The CPU path of ``sdm::recurrence_fwd``: the reference."""
+    """The CPU path of ``sdm_internal::recurrence_fwd``: the reference."""
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     if chunks is not None:
         res = reference.recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep, X, QX,
@@ -311,7 +608,7 @@ _recurrence_fwd_reference = _reference_op(
     "recurrence_fwd", _recurrence_fwd_cpu, recurrence_meta.recurrence_fwd_fake, ())
 
 
-@triton_op("sdm::recurrence_fwd", mutates_args=())
+@triton_op("sdm_internal::recurrence_fwd", mutates_args=())
 def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                    gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
                    rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
@@ -349,7 +646,7 @@ def _recurrence_fwd_inplace_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx
                                 scatter_w: Tensor, row_decay: Tensor, rank: Tensor, X: Tensor,
                                 QX: Tensor, chunks: Tensor | None = None,
                                 seq_chunks: Tensor | None = None) -> Tensor:
-    """The CPU path of ``sdm::recurrence_fwd_``: the reference."""
+    """The CPU path of ``sdm_internal::recurrence_fwd_``: the reference."""
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     if chunks is not None:
         out, bank_out = reference.recurrence_fwd_varlen_reference(
@@ -366,7 +663,7 @@ _recurrence_fwd_inplace_reference = _reference_op(
     recurrence_meta.recurrence_fwd_inplace_fake, ("bank",))
 
 
-@triton_op("sdm::recurrence_fwd_", mutates_args=("bank",))
+@triton_op("sdm_internal::recurrence_fwd_", mutates_args=("bank",))
 def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                     gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
                     rank: Tensor, X: Tensor, QX: Tensor, chunks: Tensor | None = None,
@@ -388,7 +685,7 @@ def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, re
 
 def _decode_step_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
                      read_idx: Tensor, read_w: Tensor, decay: Tensor | None = None) -> Tensor:
-    """The CPU path of ``sdm::decode_step_``: the reference, stored into ``bank``."""
+    """The CPU path of ``sdm_internal::decode_step_``: the reference, stored into ``bank``."""
     out, new, slot = reference.decode_step_reference(bank, v, beta, write_idx, write_w, read_idx,
                                                      read_w, decay)
     B, H, S, D = bank.shape
@@ -405,7 +702,7 @@ _decode_step_reference = _reference_op(
     "decode_step_inplace", _decode_step_cpu, recurrence_meta.decode_step_fake, ("bank",))
 
 
-@triton_op("sdm::decode_step_", mutates_args=("bank",))
+@triton_op("sdm_internal::decode_step_", mutates_args=("bank",))
 def decode_step_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
                  read_idx: Tensor, read_w: Tensor, decay: Tensor | None = None) -> Tensor:
     """One token (T = 1) of the recurrence on every stream of ``bank`` [B, H, S, D], in place
@@ -425,14 +722,9 @@ recurrence_fwd_.register_fake(recurrence_meta.recurrence_fwd_inplace_fake)
 decode_step_.register_fake(recurrence_meta.decode_step_fake)
 
 # ---------------------------------------------------------------------------
-# The recurrence's backward: sdm::recurrence_bwd (phase 2), sdm::chunk_prepare_backward
+# sdm_internal: the recurrence's backward: recurrence_bwd (phase 2), chunk_prepare_backward
+# (phase 1)
 # ---------------------------------------------------------------------------
-
-
-def _no_double_backward(name: str) -> None:
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"sdm_ops: {name} does not support double backward (its backward "
-                           "is not differentiable); do not pass create_graph=True")
 
 
 def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
@@ -443,7 +735,7 @@ def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gathe
                         chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                    Tensor]:
-    """The CPU path of ``sdm::recurrence_bwd``: the reference."""
+    """The CPU path of ``sdm_internal::recurrence_bwd``: the reference."""
     prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
     B, T, H, D = res.shape
     v_like = res.new_empty((B, T, H, D))
@@ -461,7 +753,7 @@ _recurrence_bwd_reference = _reference_op(
     "recurrence_bwd", _recurrence_bwd_cpu, recurrence_meta.recurrence_bwd_fake, ())
 
 
-@triton_op("sdm::recurrence_bwd", mutates_args=())
+@triton_op("sdm_internal::recurrence_bwd", mutates_args=())
 def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
                    gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
                    read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
@@ -470,7 +762,7 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
                    chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                               Tensor]:
-    """Backward of ``sdm::recurrence_fwd`` from its saved tensors (the bank itself is not
+    """Backward of ``sdm_internal::recurrence_fwd`` from its saved tensors (the bank itself is not
     needed: ``snap`` holds every row the backward reads; ``bank_rows`` is S): (dv, dbeta,
     dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D] float32); see
     ``kernels/recurrence_bwd.py``."""
@@ -497,39 +789,7 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
                                      seq_chunks)
 
 
-def _recurrence_fwd_setup(ctx, inputs, output):
-    (v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-     X, QX, bank, snapshot, chunks, seq_chunks) = inputs
-    _, bank_out, snap, snap_scale, res, delta = output
-    ctx.save_for_backward(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                          rank, read_rank, X, QX, res, delta, snap, snap_scale, chunks, seq_chunks)
-    ctx.bank_rows = bank.shape[-2]
-    ctx.snapshot = snapshot
-    # The saved-for-backward outputs (snap, snap_scale, res, delta) never get a gradient, and
-    # out or the bank may not either: no zero tensors are made for them (None reaches the grad).
-    ctx.set_materialize_grads(False)
-    ctx.v_dtype = v.dtype
-    ctx.bank_meta = (bank.dim(), bank.dtype)
-
-
-def _recurrence_fwd_grad(ctx, dout, dbank_out, *_):
-    _no_double_backward("sparse_delta_memory")
-    saved = ctx.saved_tensors
-    beta = saved[0]
-    g = torch.ops.sdm.recurrence_bwd(*saved[:13], ctx.bank_rows, *saved[13:15], ctx.snapshot,
-                                     None if dout is None else dout.contiguous(),
-                                     None if dbank_out is None else dbank_out.contiguous(),
-                                     ctx.v_dtype, *saved[15:])
-    dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = g
-    dim, dtype = ctx.bank_meta
-    if dim == 3:
-        dbank = dbank.sum(0)
-    return (dv, dbeta.to(beta.dtype), None, None, dgw, dgr, dsw, drd, None, None, dX, dQX,
-            dbank.to(dtype), None, None, None)
-
-
 recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
-recurrence_fwd.register_autograd(_recurrence_fwd_grad, setup_context=_recurrence_fwd_setup)
 
 
 def _chunk_prepare_backward_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor,
@@ -538,7 +798,7 @@ def _chunk_prepare_backward_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Te
                                 d_scatter_w: Tensor, d_row_decay: Tensor,
                                 chunks: Tensor | None = None, seq_chunks: Tensor | None = None
                                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The CPU path of ``sdm::chunk_prepare_backward``: the reference."""
+    """The CPU path of ``sdm_internal::chunk_prepare_backward``: the reference."""
     args = (write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w,
             d_gather_r, d_scatter_w, d_row_decay)
     if chunks is not None:
@@ -554,13 +814,13 @@ _chunk_prepare_backward_reference = _reference_op(
     recurrence_meta.chunk_prepare_backward_fake, ())
 
 
-@triton_op("sdm::chunk_prepare_backward", mutates_args=())
+@triton_op("sdm_internal::chunk_prepare_backward", mutates_args=())
 def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
                            decay: Tensor | None, bank_rows: int, dA: Tensor, dQK: Tensor,
                            d_gather_w: Tensor, d_gather_r: Tensor, d_scatter_w: Tensor,
                            d_row_decay: Tensor, chunks: Tensor | None = None,
                            seq_chunks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward of ``sdm::chunk_prepare``: (d_write_w, d_read_w, d_decay), d_decay empty
+    """Backward of ``sdm_internal::chunk_prepare``: (d_write_w, d_read_w, d_decay), d_decay empty
     without decay; see ``kernels/chunk_prepare.py``."""
     if use_kernels(dA):
         from .kernels import chunk_prepare as k
@@ -577,33 +837,4 @@ def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor,
                                              d_scatter_w, d_row_decay, chunks, seq_chunks)
 
 
-def _chunk_prepare_setup(ctx, inputs, output):
-    write_idx, write_w, read_idx, read_w, decay, bank_rows, _, chunks, seq_chunks = inputs
-    ctx.save_for_backward(write_idx, write_w, read_idx, read_w, decay, chunks, seq_chunks)
-    ctx.bank_rows = bank_rows
-
-
-def _chunk_prepare_grad(ctx, dA, dQK, dgw, dgr, dsw, drd, *_):
-    _no_double_backward("sparse_delta_memory")
-    write_idx, write_w, read_idx, read_w, decay, chunks, seq_chunks = ctx.saved_tensors
-    wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
-
-    def grad(g, like):
-        if g is None:
-            return torch.zeros(like, dtype=wd, device=write_w.device)
-        return g.contiguous().to(wd)
-
-    B, T, H, W = write_idx.shape
-    R = read_idx.shape[-1]
-    chunk_grad = dA if dA is not None else dQK
-    shape = chunk_grad.shape
-    dww, drw, ddc = torch.ops.sdm.chunk_prepare_backward(
-        write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows, grad(dA, shape),
-        grad(dQK, shape), grad(dgw, (B, T, H, W)), grad(dgr, (B, T, H, R)),
-        grad(dsw, (B, T, H, W)), grad(drd, (B, T, H, W)), chunks, seq_chunks)
-    return (None, dww.to(write_w.dtype), None, drw.to(read_w.dtype),
-            None if decay is None else ddc.to(decay.dtype), None, None, None, None)
-
-
 chunk_prepare_backward.register_fake(recurrence_meta.chunk_prepare_backward_fake)
-chunk_prepare.register_autograd(_chunk_prepare_grad, setup_context=_chunk_prepare_setup)

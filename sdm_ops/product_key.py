@@ -74,7 +74,7 @@ def product_key_topk(raw: Tensor, factors: Sequence[int], k: int) -> TopK:
     if raw.dim() < 1 or raw.shape[-1] != sum(dims):
         raise ValueError(f"raw must have sum(factors) = {sum(dims)} columns in its last "
                          f"dimension, got shape {list(raw.shape)}")
-    val, lin = ops.product_key_topk(raw.contiguous(), list(dims), k)
+    val, lin = ops.product_key_topk(raw, list(dims), k)
     return TopK(val, lin)
 
 

@@ -1,9 +1,10 @@
 """The SDM recurrence (SPEC sections 1-3): ``sparse_delta_memory`` and ``sparse_delta_memory_``.
 
-Both run phase 1 (``sdm::chunk_prepare``), the WY solve (``sdm::wy_solve``) and phase 2
-(``sdm::recurrence_fwd`` / ``sdm::recurrence_fwd_``) with no host synchronization, so they
-compile with ``fullgraph=True`` and capture in CUDA graphs. In eager mode the checks that read
-data wait for their own results (an event), not for the stream (``_DataChecks``).
+Each checks its arguments and calls its operator once, ``sdm::sparse_delta_memory`` or
+``sdm::sparse_delta_memory_`` (``sdm_ops.ops``: phase 1, the WY solve and phase 2 with no host
+synchronization), so they compile with ``fullgraph=True`` and capture in CUDA graphs. In eager
+mode the checks that read data wait for their own results (an event), not for the stream
+(``_DataChecks``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from torch import Tensor
 from . import ops
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
                       check_tensor, data_checks_enabled)
-from .kernels._common import sm_count
 from .reference import SNAPSHOT_MODES
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -119,9 +119,10 @@ class _DataChecks(NamedTuple):
     ``start`` reduces the indices to their smallest and largest entries and copies those and
     cu_seqlens to the host without waiting (pinned memory), recording an event after the copy;
     ``finish`` waits for that event alone, then raises, naming the offending value, if a check
-    fails. The work queued in between (phase 1, the bank copy) keeps the GPU busy while the
-    host waits: the stream is never drained. Callers finish before the bank is written, so a
-    rejected call changes nothing."""
+    fails. ``sparse_delta_memory`` queues its operator in between, which keeps the GPU busy
+    while the host waits (the stream is never drained; the kernels count bad indices as
+    padding, and a rejected call returns nothing); ``sparse_delta_memory_`` finishes before its
+    operator writes the bank, so a rejected call changes nothing."""
 
     values: Tensor                      # int64 on the host: write and read bounds, cu_seqlens
     ready: torch.cuda.Event | None      # None on the CPU (values already there)
@@ -166,72 +167,10 @@ def _finish(checks: _DataChecks | None) -> None:
         checks.finish()
 
 
-def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
-    """beta [B, T, H] -> [B * H * N, C] float32, zero past T (the WY solve's layout); for a
-    packed batch [H * NC, C] over its chunk slots, zero past each chunk's tokens."""
-    B, T, H = beta.shape
-    C = chunk_size
-    if chunks is None:
-        N = -(-T // C)
-        x = beta.to(torch.float32).transpose(1, 2)
-        x = torch.nn.functional.pad(x, (0, N * C - T))
-        return x.reshape(B * H * N, C)
-    NC = chunks.shape[0]
-    if T == 0:
-        return beta.new_zeros(H * NC, C, dtype=torch.float32)
-    i = torch.arange(C, device=beta.device)
-    tok = (chunks[:, :1] + i).clamp(max=T - 1)                                    # [NC, C]
-    x = torch.where((i < chunks[:, 1:])[..., None], beta[0].to(torch.float32)[tok], 0.0)
-    return x.permute(2, 0, 1).reshape(H * NC, C)
-
-
 def _needs_grad(*tensors: Tensor | None) -> bool:
     """Whether autograd will want gradients of any of ``tensors`` (grad mode on and one of
     them requires grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
-    chunks, seq_chunks = (None, None) if cu_seqlens is None else ops.varlen_chunks(
-        cu_seqlens, v.shape[1], C)
-    prep = ops.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, S, C, chunks, seq_chunks)
-    A, QK = prep[0], prep[1]
-    X, QX = ops.wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C))
-    return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
-
-
-# The inference forward's bank copy beside phase 1 (``_copy_beside``, PERF_NOTES 27) takes one
-# program for every _COPY_SM_SHARE SMs, which copies at about 60% of a whole-GPU copy's speed;
-# so it runs beside phase 1 only while the bank holds at most _COPY_BESIDE_BYTES a chunk of
-# phase 1 (the reference workload: 256 KiB; S = 2^20 with one batch row: 16 MiB, in order).
-_COPY_SM_SHARE = 4
-_COPY_BESIDE_BYTES = 512 * 1024
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.cuda.Stream | None]:
-    """``(bank_out, side)``: the inference forward's copy of the bank, issued on a second
-    stream ``side`` so that it runs beside phase 1 and the WY solve (over ``chunks`` chunks),
-    latency-bound kernels that leave most of the memory bandwidth idle; the caller makes its
-    stream wait for ``side`` before phase 2. The copy runs as one program for every
-    ``_COPY_SM_SHARE`` SMs (at least one a bank), so that the other stream's programs find
-    whole SMs free. Eager calls and CUDA-graph captures (where the fork becomes two branches of
-    the graph) take it; on the CPU, while compiling (Inductor schedules one stream) and for a
-    bank of more than ``_COPY_BESIDE_BYTES`` a chunk, the copy runs in order, ``side`` None."""
-    if (not bank.is_cuda or torch.compiler.is_compiling() or banks * bank.shape[-3:].numel()
-            * bank.element_size() > _COPY_BESIDE_BYTES * max(chunks, 1)):
-        return ops.bank_copy(bank, banks), None
-    dev = bank.device
-    side = _side_streams.get(dev.index)
-    if side is None:
-        side = _side_streams[dev.index] = torch.cuda.Stream(dev)
-    here = torch.cuda.current_stream(dev)
-    programs = max(1, sm_count(dev) // (_COPY_SM_SHARE * banks))
-    side.wait_stream(here)
-    with torch.cuda.stream(side):
-        bank_out = ops.bank_copy(bank, banks, programs)
-    bank_out.record_stream(here)      # allocated on side, used and freed on here
-    return bank_out, side
 
 
 def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
@@ -287,32 +226,17 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
     """
     _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
                 cu_seqlens, inplace=False)
-    v, beta, write_idx, write_w, read_idx, read_w, bank = (
-        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
-    decay = None if decay is None else decay.contiguous()
-    S, C = bank.shape[-2], chunk_size
-    inference = not _needs_grad(v, beta, write_w, read_w, bank, decay)
-    if inference:
-        # Nothing to differentiate: phase 2 runs in place on a copy of the bank and keeps no
-        # snapshot (what inference and evaluation pay). The copy goes first, on a second
-        # stream on the GPU, so that it runs beside phase 1 and the WY solve.
-        B, T, H = beta.shape
-        bank_out, side = _copy_beside(bank, B if cu_seqlens is None else cu_seqlens.shape[0] - 1,
-                                      B * H * -(-T // C))
-    checks = _DataChecks.start(write_idx, read_idx, S, cu_seqlens, v.shape[1])
-    prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C,
-                                  cu_seqlens)
-    _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
+    checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
+    if checks is not None and checks.ready is None:     # on the CPU the values are at hand
+        checks.finish()
+        checks = None
+    # Without autograd nothing is kept for a backward: no snapshot, and phase 2 runs in place
+    # on a copy of the bank (what inference and evaluation pay).
+    keep = _needs_grad(v, beta, write_w, read_w, bank, decay)
+    out, bank_out, _ = ops.sparse_delta_memory(
+        v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size=chunk_size,
+        snapshot=snapshot, cu_seqlens=cu_seqlens, keep_for_backward=keep)
     _finish(checks)
-    if inference:
-        if side is not None:
-            torch.cuda.current_stream(bank.device).wait_stream(side)
-        out = ops.recurrence_fwd_(bank_out, v, beta, write_idx, read_idx, gather_w, gather_r,
-                                  scatter_w, row_decay, rank, X, QX, *tables)
-        return SDMOutput(out, bank_out)
-    out, bank_out = ops.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r,
-                                       scatter_w, row_decay, rank, read_rank, X, QX, bank,
-                                       snapshot, *tables)[:2]
     return SDMOutput(out, bank_out)
 
 
@@ -346,19 +270,6 @@ def sparse_delta_memory_(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Te
                 cu_seqlens, inplace=True)
     if not bank.is_contiguous():
         raise ValueError("bank must be contiguous to be updated in place")
-    checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
-    v, beta, write_idx, write_w, read_idx, read_w = (
-        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
-    decay = None if decay is None else decay.contiguous()
-    T = v.shape[1]
-    if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
-        _finish(checks)
-        return ops.decode_step_(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
-    C = next(c for c in CHUNK_SIZES if c >= min(T, chunk_size))
-    with torch.no_grad():
-        prep, X, QX, tables = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay,
-                                      bank.shape[-2], C, cu_seqlens)
-        _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
-        _finish(checks)
-        return ops.recurrence_fwd_(bank, v, beta, write_idx, read_idx, gather_w, gather_r,
-                                   scatter_w, row_decay, rank, X, QX, *tables)
+    _finish(_DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1]))
+    return ops.sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank, decay,
+                                    chunk_size=chunk_size, cu_seqlens=cu_seqlens)

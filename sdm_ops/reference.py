@@ -1,6 +1,7 @@
 """Plain PyTorch implementations of everything sdm_ops computes.
 
-These functions are the CPU path of every ``sdm::`` operator and the oracle of every kernel test.
+These functions are the CPU path of every ``sdm_internal::`` operator and the oracle of every
+kernel test.
 They are vectorized over streams (``P = B * H``) and within a chunk, and loop over chunks only
 (the token-by-token recurrence loops over tokens). They work in float32 or float64 and are
 differentiable with autograd (products of decays are computed with ``prod`` and ``cumprod``,
@@ -354,7 +355,7 @@ INT4_MAX = 7.0        # int4 codes are round(x / scale) in [-7, 7], stored + 8
 
 
 class Prepared(NamedTuple):
-    """Phase-1 outputs for every chunk (the ``sdm::chunk_prepare`` operator's contract).
+    """Phase-1 outputs for every chunk (the ``sdm_internal::chunk_prepare`` operator's contract).
 
     A, QK: [B, H, N, C, C] (N = ceil(T / C) chunks); gather_w, scatter_w, row_decay: [B, T, H, W];
     gather_r: [B, T, H, R]; all float (compute dtype). rank [B, T, H, W] and read_rank

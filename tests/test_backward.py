@@ -7,10 +7,9 @@ import pytest
 import torch
 
 import sdm_ops
-from sdm_ops import ops
 from sdm_ops import reference as ref
-from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
-                           requires_cuda, requires_kernels, to_float64)
+from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
+                           on_kernels, requires_cuda, requires_kernels, to_float64)
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 FLOATS = ["v", "beta", "write_w", "read_w", "bank", "decay"]
@@ -51,19 +50,21 @@ def _check(got, want, rtol, what):
         assert_close(got[n], want[n], rtol=rtol, name=f"{what}: d{n}")
 
 
-def test_float64_gradcheck_through_the_cpu_operators():
-    a = to_float64(make_sdm_inputs(B=1, T=7, H=1, D=16, S=3, W=2, R=2, seed=21))
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_float64_gradcheck_through_the_cpu_operator(packed):
+    """``sdm::sparse_delta_memory``'s registered backward (phase 2's, the WY solve's with
+    beta's share through the chunk layout, phase 1's) against finite differences, in float64
+    on the reference path; packed: sequences of 3, 0 and 5 tokens."""
+    if packed:
+        a = to_float64(make_packed_sdm_inputs([3, 0, 5], H=1, D=16, S=3, W=2, R=2, seed=21))
+    else:
+        a = to_float64(make_sdm_inputs(B=1, T=7, H=1, D=16, S=3, W=2, R=2, seed=21))
     names = [n for n in FLOATS if n in a]
 
     def f(*xs):
         kw = dict(a, **dict(zip(names, xs)))
-        prep = ops.chunk_prepare(kw["write_idx"], kw["write_w"], kw["read_idx"], kw["read_w"],
-                                 kw["decay"], 3, 16)
-        betas = torch.nn.functional.pad(kw["beta"].transpose(1, 2), (0, 9)).reshape(-1, 16)
-        X, QX = ops.wy_solve(prep[0].view(-1, 16, 16), betas, prep[1].view(-1, 16, 16))
-        out, bank = ops.recurrence_fwd(kw["v"], kw["beta"], kw["write_idx"], kw["read_idx"],
-                                       *prep[2:8], X.view(prep[0].shape), QX.view(prep[0].shape),
-                                       kw["bank"], "none")[:2]
+        out, bank, _ = torch.ops.sdm.sparse_delta_memory(
+            *(kw.get(k) for k in ORDER), chunk_size=16, cu_seqlens=kw.get("cu_seqlens"))
         return out, bank
 
     xs = [a[n].clone().requires_grad_() for n in names]
@@ -125,6 +126,22 @@ def test_kernel_gradients_of_a_loss_on_the_bank_alone_match_reference(phase2_til
     _check(got, _oracle(a, g_out, g_bank), 1e-5, "loss on the bank")
 
 
+def test_backward_of_the_operator_run_without_keep_for_backward_raises_a_clear_error():
+    """What the public function passes without autograd (the inference forward) keeps nothing:
+    a backward asked of it later says so. With it, the operator's third output holds what the
+    backward reads, none of it differentiable."""
+    a = make_sdm_inputs(T=9, seed=31)
+    v = a["v"].clone().requires_grad_()
+    args = [dict(a, v=v).get(k) for k in ORDER]
+    _, _, kept = torch.ops.sdm.sparse_delta_memory(*args)
+    assert len(kept) == len(sdm_ops.ops.KEPT_FOR_BACKWARD)
+    assert not any(t.requires_grad for t in kept)
+    out, _, kept = torch.ops.sdm.sparse_delta_memory(*args, keep_for_backward=False)
+    assert kept == [] and out.requires_grad
+    with pytest.raises(RuntimeError, match="keep_for_backward=False"):
+        out.sum().backward()
+
+
 def test_double_backward_raises_a_clear_error():
     a = make_sdm_inputs(T=5, seed=27)
     v = a["v"].clone().requires_grad_()
@@ -150,14 +167,14 @@ def test_backward_is_bitwise_deterministic_on_cuda():
 
 
 class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the sdm operators that run (the reference twins included)."""
+    """Records the sdm and sdm_internal operators that run (the reference twins included)."""
 
     def __init__(self):
         super().__init__()
         self.ops = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "sdm":
+        if func.namespace in ("sdm", "sdm_internal"):
             self.ops.add(func.__name__.split(".")[0])
         return func(*args, **(kwargs or {}))
 

@@ -1,5 +1,5 @@
-"""Phase 1 (``sdm::chunk_prepare`` and its backward) on both of its kernel paths against the
-float64 reference: the sparse path (entries sorted by slot hash, only those that share a
+"""Phase 1 (``sdm_internal::chunk_prepare`` and its backward) on both of its kernel paths against
+the float64 reference: the sparse path (entries sorted by slot hash, only those that share a
 bucket paired, a window of buckets at a time) and the dense path it hands heavy chunks to (a
 bucket of more entries than a window holds). ``COMPACT`` sets the window: 0 turns the sparse
 path off (the dense kernel does every chunk), 16 splits chunks between the two and takes

@@ -1,4 +1,4 @@
-"""The decode step (``sdm::decode_step_``, T = 1): the kernel (natively on CUDA, under the
+"""The decode step (``sdm_internal::decode_step_``, T = 1): the kernel (natively on CUDA, under the
 interpreter on CPU) and the CPU path against the float64 token reference, with duplicate slots
 within the token, padding, out-of-range indices and zero decays; in place and deterministic.
 Its opcheck lives in test_opcheck.py with the other operators'."""

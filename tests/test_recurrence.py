@@ -188,7 +188,7 @@ def test_snapshot_holds_each_entrys_chunk_start_row_within_its_mode_error(mode):
     with on_kernels(), torch.no_grad():
         prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
                                  a["decay"], S, C)
-        betas = sdm_ops.recurrence._chunk_betas(a["beta"], C)
+        betas = ops._chunk_betas(a["beta"], C)
         X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
         res = ops.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"], *prep[2:8],
                                  X.view(prep[0].shape), QX.view(prep[0].shape), a["bank"], mode)
@@ -233,7 +233,7 @@ def test_kernels_mask_out_of_range_indices_as_padding():
         with on_kernels(), torch.no_grad():
             prep = ops.chunk_prepare(x["write_idx"], x["write_w"], x["read_idx"], x["read_w"],
                                      x["decay"], S, C)
-            betas = sdm_ops.recurrence._chunk_betas(x["beta"], C)
+            betas = ops._chunk_betas(x["beta"], C)
             X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
             return ops.recurrence_fwd(x["v"], x["beta"], x["write_idx"], x["read_idx"], *prep[2:8],
                                       X.view(prep[0].shape), QX.view(prep[0].shape), x["bank"],
@@ -259,7 +259,7 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
         prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
                                  a["decay"], S, C)
         X, QX = ops.wy_solve(prep[0].view(-1, C, C),
-                             sdm_ops.recurrence._chunk_betas(a["beta"], C),
+                             ops._chunk_betas(a["beta"], C),
                              prep[1].view(-1, C, C))
         first = torch.zeros(4, S, dtype=torch.int32, device=KERNEL_DEVICE)
         bank_copy.first_writes(a["write_idx"], C, None, None, first)

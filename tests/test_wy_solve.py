@@ -99,13 +99,14 @@ def test_backward_matches_float64_autograd_of_reference(c):
 @requires_kernels
 @pytest.mark.parametrize("c", (33, 128))
 def test_backward_operator_matches_backward_reference(c):
-    """``sdm::wy_solve_backward`` on the kernels against the closed-form backward reference."""
+    """``sdm_internal::wy_solve_backward`` on the kernels against the closed-form backward
+    reference."""
     A, beta, QK = make_inputs(N_CHUNKS, c, seed=200 + c)
     dX, dQX = make_output_grads(N_CHUNKS, c, seed=200 + c)
     X, _ = kernel_solve(A, beta, QK)
     dev = [t.to(KERNEL_DEVICE) for t in (A, beta, QK, X, dX, dQX)]
     with on_kernels():
-        got = torch.ops.sdm.wy_solve_backward(*dev)
+        got = torch.ops.sdm_internal.wy_solve_backward(*dev)
     want = wy_solve_backward_reference(*(t.double() for t in (A, beta, QK, X, dX, dQX)))
     for name, g, w in zip(("dA", "dbeta", "dQK"), got, want):
         assert_close(g.cpu(), w, rtol=RTOL, name=f"{name} (C={c})")
@@ -155,7 +156,7 @@ def test_forward_and_backward_are_bitwise_deterministic_on_cuda():
     runs = []
     for _ in range(2):
         X, QX = sdm_ops.wy_solve(A, beta, QK)
-        grads = torch.ops.sdm.wy_solve_backward(A, beta, QK, X, dX, dQX)
+        grads = torch.ops.sdm_internal.wy_solve_backward(A, beta, QK, X, dX, dQX)
         runs.append((X, QX, *grads))
     for name, first, second in zip(("X", "QX", "dA", "dbeta", "dQK"), *runs):
         assert torch.equal(first, second), f"{name} differs between two runs"

@@ -9,11 +9,11 @@ copy is a device-to-device memcpy, and a CUDA graph replays a memcpy of 512 MiB 
 about half the bandwidth of the same copy run eagerly (pytorch/pytorch#191284); the bank is a
 1 GiB tensor at the reference workload. A kernel replays like any other kernel.
 
-The functional forward (``sdm::recurrence_fwd``) copies only the rows that no chunk of their
-stream writes (``first``): phase 2 reads every other row from the source bank until its stream
-first writes it, and that first write stores the whole row (``recurrence_fwd``'s ``source``),
+The functional forward (``sdm_internal::recurrence_fwd``) copies only the rows that no chunk of
+their stream writes (``first``): phase 2 reads every other row from the source bank until its
+stream first writes it, and that first write stores the whole row (``recurrence_fwd``'s ``source``),
 so the copy moves 61% of the bank at the reference workload. The inference forward copies the
-whole bank beside phase 1 instead (``recurrence._copy_beside``): measured, that was faster
+whole bank beside phase 1 instead (``ops._copy_beside``): measured, that was faster
 than the partial copy beside phase 1 followed by phase 2 from the source.
 
 ``first`` [P, S] int32 (P = B * H streams, or N * H for a packed batch, stream p = b * H + h):

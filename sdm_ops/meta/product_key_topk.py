@@ -1,4 +1,4 @@
-"""Fakes of ``sdm::product_key_topk`` and ``sdm::product_key_topk_backward``."""
+"""Fakes of ``sdm::product_key_topk`` and ``sdm_internal::product_key_topk_backward``."""
 
 import math
 

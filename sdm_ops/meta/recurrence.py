@@ -1,6 +1,7 @@
-"""Fakes of the recurrence operators: ``sdm::bank_copy``, ``sdm::varlen_chunks``,
-``sdm::chunk_prepare``, ``sdm::recurrence_fwd``, ``sdm::recurrence_fwd_``, ``sdm::decode_step_``
-and the backwards.
+"""Fakes of the recurrence operators: the public ``sdm::sparse_delta_memory`` and
+``sdm::sparse_delta_memory_`` (composed from the internal ones' fakes), and the internal
+``sdm_internal::bank_copy``, ``varlen_chunks``, ``chunk_prepare``, ``recurrence_fwd``,
+``recurrence_fwd_``, ``decode_step_`` and the backwards.
 Shapes follow the launchers' allocations (all contiguous). ``chunks`` and ``seq_chunks``
 describe a packed batch (None otherwise)."""
 
@@ -106,3 +107,31 @@ def chunk_prepare_backward_fake(write_idx, write_w, read_idx, read_w, decay, ban
     wd = weight_dtype(write_w, read_w, decay)
     return (write_w.new_empty(write_w.shape, dtype=wd), read_w.new_empty(read_w.shape, dtype=wd),
             write_w.new_empty(write_w.shape if decay is not None else (0,), dtype=wd))
+
+
+def sparse_delta_memory_fake(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
+                             chunk_size=64, snapshot="none", cu_seqlens=None, *,
+                             keep_for_backward=True):
+    """(out, bank_out, kept): ``kept`` as the operator's body fills it (``ops.KEPT_FOR_BACKWARD``
+    and, for a packed batch, the chunk tables), from the fakes of the operators it runs; empty
+    without ``keep_for_backward``."""
+    B, T = v.shape[:2]
+    if not keep_for_backward:
+        banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return v.new_empty(v.shape), bank_copy_fake(bank, banks), []
+    tables = (None, None) if cu_seqlens is None else varlen_chunks_fake(cu_seqlens, T, chunk_size)
+    prep = chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank.shape[-2],
+                              chunk_size, *tables)
+    A = prep[0]
+    X, QX = A.new_empty(A.shape), A.new_empty(A.shape)
+    out, bank_out, *saved = recurrence_fwd_fake(v, beta, write_idx, read_idx, *prep[2:], X, QX,
+                                                bank, snapshot, *tables)
+    kept = [*prep, X, QX, *saved]
+    if cu_seqlens is not None:
+        kept += tables
+    return out, bank_out, kept
+
+
+def sparse_delta_memory_inplace_fake(v, beta, write_idx, write_w, read_idx, read_w, bank,
+                                     decay=None, chunk_size=64, cu_seqlens=None):
+    return v.new_empty(v.shape)

@@ -1,4 +1,4 @@
-"""Fakes of ``sdm::wy_solve`` and ``sdm::wy_solve_backward``."""
+"""Fakes of ``sdm::wy_solve`` and ``sdm_internal::wy_solve_backward``."""
 
 from torch import Tensor
 
