@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+    mqar.set_threads(args)
     ok = check_operators(args)
     print("training a 2-block model with SparseDeltaMemory layers on multi-query associative "
           f"recall ({mqar.MQARTask.num_pairs} key-value pairs, then "

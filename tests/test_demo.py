@@ -78,7 +78,7 @@ def test_every_option_has_help_and_the_description_says_what_it_does(parser):
     assert "multi-query associative recall" in text and "recall accuracy" in text
     assert "exit status is 0" in text
     args = parser.parse_args([])
-    assert (args.steps, args.seed, args.threads, args.log_interval) == (mqar.STEPS, 0, 1, 5.0)
+    assert (args.steps, args.seed, args.threads, args.log_interval) == (mqar.STEPS, 0, None, 5.0)
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "x"], ["--threads", "0"],
@@ -109,3 +109,11 @@ def test_mqar_exit_status_follows_the_accuracy(monkeypatch):
     assert mqar.main(["--steps", "3"]) == 0
     monkeypatch.setattr(mqar, "train_from_args", lambda args: 0.85)
     assert mqar.main([]) == 1
+
+
+def test_threads_are_set_only_when_given(monkeypatch):
+    calls = []
+    monkeypatch.setattr(mqar.torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(mqar, "train_from_args", lambda args: 1.0)
+    assert mqar.main(["--threads", "1"]) == 0 and calls == [1]
+    assert mqar.main([]) == 0 and calls == [1]
