@@ -1,11 +1,14 @@
 """The main job: the operators on a real example, then a model that learns to recall.
 
 ``python -m sdm_ops.demo`` first addresses a bank of 4096 slots per head with exact product-key
-top-k (``product_key_topk``), writes 256 values with the delta rule (``sparse_delta_memory``),
-reads every key back, and checks each operator against the float64 reference, printing what it
-checked. Then it trains a small model built on ``sdm_ops.nn.SparseDeltaMemory`` on multi-query
-associative recall under ``torch.compile(fullgraph=True)`` (``sdm_ops.mqar``, about 2 minutes on
-2 CPU cores) and ends with ``recall accuracy: <fraction>`` on held-out sequences. It runs on CUDA
+top-k (``product_key_topk``), writes key-value pairs with the delta rule
+(``sparse_delta_memory``), reads every key back, and checks each operator against the float64
+reference (and the top-k against the brute force), printing what it checked. Then it trains a
+small model built on ``sdm_ops.nn.SparseDeltaMemory`` on multi-query associative recall under
+``torch.compile(fullgraph=True)`` (``sdm_ops.mqar``), printing when it compiles and how long
+compiling took, then a line every few seconds with the step, loss, time elapsed and time left,
+and ends with ``recall accuracy: <fraction>`` on held-out sequences. The exit status is 0 when
+every check passes and the accuracy reaches ``mqar.TARGET_ACCURACY``, else 1. It runs on CUDA
 when available (the Triton kernels), else on the CPU (the operators' reference path).
 """
 
@@ -26,18 +29,36 @@ def _check(name: str, ok: bool, detail: str) -> bool:
     return ok
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sdm_ops.demo",
+        description="Check sdm_ops' operators on a key-value storage example (product-key "
+                    "top-k addressing, the sparse delta memory recurrence, the WY solve; each "
+                    "against the float64 reference), then train a small model with "
+                    "SparseDeltaMemory layers on multi-query associative recall under "
+                    "torch.compile(fullgraph=True) and print its recall accuracy on held-out "
+                    "sequences. Progress: a line when compiling starts and ends, then a line "
+                    "every few seconds with the step, loss, time elapsed and time left. The "
+                    f"exit status is 0 when every check passes and the accuracy reaches "
+                    f"{mqar.TARGET_ACCURACY}, else 1.")
+    parser.add_argument("--pairs", type=mqar._positive_int, default=256,
+                        help="key-value pairs the operator check writes and reads back "
+                             "(default 256)")
+    parser.add_argument("--heads", type=mqar._positive_int, default=2,
+                        help="heads (independent banks of 4096 slots) of the operator check "
+                             "(default 2)")
+    mqar.add_training_options(parser)
+    return parser
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=600, help="MQAR training steps")
-    parser.add_argument("--no-compile", action="store_true", help="train the eager model")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    mqar.set_threads(args)
     ok = check_operators(args)
     print("training a 2-block model with SparseDeltaMemory layers on multi-query associative "
-          "recall (8 key-value pairs, then 8 queries)")
-    acc = mqar.train(args.steps, device=args.device, compile=not args.no_compile)
+          f"recall ({mqar.MQARTask.num_pairs} key-value pairs, then "
+          f"{mqar.MQARTask.num_queries} queries)")
+    acc = mqar.train_from_args(args)
     return 0 if ok and acc >= mqar.TARGET_ACCURACY else 1
 
 
@@ -59,7 +80,7 @@ def check_operators(args) -> bool:
     sub_keys = torch.randn(H, 32, sum(factors), generator=g)
     raw = torch.einsum("bnhd,hdf->bnhf", keys, sub_keys).to(dev)
     val, lin = sdm_ops.product_key_topk(raw, factors, k)
-    val_r, lin_r = ref.product_key_topk_reference(raw.cpu(), factors, k)
+    val_r, lin_r = ref.product_key_topk_bruteforce(raw.cpu(), factors, k)
     exact = torch.equal(lin.cpu(), lin_r) and torch.equal(val.cpu(), val_r)
     ok &= _check("product_key_topk", exact,
                  f"{n * H} rows, exact top-{k} of {S} slots equal to the brute force")
@@ -93,7 +114,7 @@ def check_operators(args) -> bool:
     prep = ref.chunk_prepare_reference(write_idx.cpu(), write_w.cpu(), read_idx.cpu(),
                                        read_w.cpu(), None, S, 64)
     A, QK = prep.A.reshape(-1, 64, 64), prep.QK.reshape(-1, 64, 64)
-    betas = beta.cpu().transpose(1, 2).reshape(-1, 64)
+    betas = ref._chunked(ref.to_streams(beta.cpu()), 64, 0)       # [chunks, 64]
     X, QX = sdm_ops.wy_solve(A.to(dev), betas.to(dev), QK.to(dev))
     X_r, QX_r = ref.wy_solve_reference(A.double(), betas.double(), QK.double())
     err_w = max(((X.cpu().double() - X_r).abs().max() / X_r.abs().max()).item(),

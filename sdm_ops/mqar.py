@@ -7,8 +7,10 @@ at each query position is the value paired with that key; every other position i
 (label -100). A model solves it by writing each value under its key and reading it back.
 
 ``python -m sdm_ops.mqar`` (or ``main()``) trains the model of :class:`MQARModel` under
-``torch.compile(fullgraph=True)`` and ends with ``recall accuracy: <fraction>`` on held-out
-sequences; it returns 0 when the accuracy reaches 0.9.
+``torch.compile(fullgraph=True)``, printing progress (when it compiles, then a line every few
+seconds with the step, loss, time elapsed and time left), and ends with ``recall accuracy:
+<fraction>`` on held-out sequences; its exit status is 0 when the accuracy reaches
+``TARGET_ACCURACY`` (0.9). ``--help`` lists the options.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .nn import SparseDeltaMemory
 
 IGNORE = -100
 TARGET_ACCURACY = 0.9
+STEPS = 500          # default training steps
 
 
 @dataclass(frozen=True)
@@ -140,13 +143,70 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train(steps: int = 600, *, task: MQARTask = MQARTask(), batch_size: int = 32,
+class Progress:
+    """Progress lines for a person watching a training run.
+
+    :meth:`begin` says when compiling starts (with ``compiling``); :meth:`update`, called after
+    each step, says how long the first step took to compile, then prints a line at most every
+    ``interval`` seconds, and at the last step: the step, the mean loss and train accuracy
+    since the previous line, the time elapsed since :meth:`begin` and an estimate of the
+    training time left (the steps left times the mean time of the steps after the first).
+    """
+
+    def __init__(self, steps: int, *, interval: float = 5.0, compiling: bool = False,
+                 log: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.steps, self.interval, self.compiling = steps, interval, compiling
+        self.log, self.clock = log, clock
+        self.start = self.last = self.first = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.hits, self.total, self.count = 0.0, 0, 0, 0
+
+    def begin(self) -> None:
+        if self.compiling:
+            self.log("compiling the model (torch.compile, fullgraph=True): the first step "
+                     "traces and compiles its forward and backward...")
+        self.start = self.last = self.clock()
+
+    def update(self, step: int, loss: float, hits: int, total: int) -> None:
+        now = self.clock()
+        self.loss_sum, self.count = self.loss_sum + loss, self.count + 1
+        self.hits, self.total = self.hits + hits, self.total + total
+        if step == 1:
+            self.first = now
+            if self.compiling:
+                self.log(f"compiled in {now - self.start:.1f} s (the first step, compiling "
+                         f"included); training...")
+                self.last = now
+                if step < self.steps:
+                    return
+        if now - self.last < self.interval and step < self.steps:
+            return
+        per_step = ((now - self.first) / (step - 1) if step > 1
+                    else (now - self.start) / step)
+        left = per_step * (self.steps - step)
+        self.log(f"step {step}/{self.steps}  loss {self.loss_sum / self.count:.4f}  "
+                 f"train accuracy {self.hits / max(self.total, 1):.3f}  "
+                 f"elapsed {now - self.start:.0f} s  about {left:.0f} s left")
+        self.last = now
+        self._reset()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+
+def train(steps: int = STEPS, *, task: MQARTask = MQARTask(), batch_size: int = 32,
           lr: float = 1e-2, weight_decay: float = 0.01, warmup: int = 20, seed: int = 0,
-          device: str | torch.device | None = None, compile: bool = True, log_every: int = 25,
+          device: str | torch.device | None = None, compile: bool = True,
+          log_interval: float = 5.0, eval_sequences: int = 1024,
           log: Callable[[str], None] = print, **model_options) -> float:
     """Train an :class:`MQARModel` on fresh MQAR batches with AdamW (linear warmup, cosine
     decay), the model compiled with ``torch.compile(fullgraph=True)`` unless ``compile`` is
-    False; log one line every ``log_every`` steps and return the held-out recall accuracy."""
+    False, and return its recall accuracy on ``eval_sequences`` held-out sequences. Progress
+    goes to ``log`` (see :class:`Progress`: compiling, then a line at most every
+    ``log_interval`` seconds), ending with ``recall accuracy: <fraction>``."""
     device = torch.device(device or default_device())
     torch.manual_seed(seed)
     model = MQARModel(task.vocab, **model_options).to(device)
@@ -156,12 +216,12 @@ def train(steps: int = 600, *, task: MQARTask = MQARTask(), batch_size: int = 32
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(s, steps) / steps)))
     g = torch.Generator().manual_seed(seed + 1)
-    start = time.perf_counter()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"mqar: {task.num_pairs} pairs, {task.num_queries} queries, T = {task.seq_len}, "
         f"vocab {task.vocab}; {n_params} parameters; {steps} steps of batch {batch_size} on "
         f"{device}{' (compiled)' if compile else ''}")
-    loss_sum = hits = total = 0.0
+    progress = Progress(steps, interval=log_interval, compiling=compile, log=log)
+    progress.begin()
     for step in range(1, steps + 1):
         tokens, labels = task.batch(batch_size, g, device)
         loss, h, n = _loss_and_hits(run(tokens), labels)
@@ -170,29 +230,82 @@ def train(steps: int = 600, *, task: MQARTask = MQARTask(), batch_size: int = 32
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        loss_sum, hits, total = loss_sum + loss.item(), hits + int(h), total + int(n)
-        if step % log_every == 0 or step == steps:
-            k = (step - 1) % log_every + 1
-            log(f"step {step:5d}  loss {loss_sum / k:.4f}  train accuracy {hits / total:.3f}  "
-                f"({time.perf_counter() - start:.0f} s)")
-            loss_sum = hits = total = 0.0
-    acc = evaluate(model, task, device=device)
-    log(f"trained in {time.perf_counter() - start:.0f} s")
+        progress.update(step, loss.item(), int(h), int(n))
+    log(f"evaluating on {eval_sequences} held-out sequences...")
+    acc = evaluate(model, task, sequences=eval_sequences, device=device)
+    log(f"trained and evaluated in {progress.elapsed():.0f} s")
     log(f"recall accuracy: {acc:.4f}")
     return acc
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """The training options shared by ``python -m sdm_ops.mqar`` and ``python -m
+    sdm_ops.demo``."""
+    parser.add_argument("--steps", type=_positive_int, default=STEPS,
+                        help=f"training steps, one fresh batch of 32 sequences each "
+                             f"(default {STEPS})")
+    parser.add_argument("--device", default=default_device(),
+                        help="device to run on (default: cuda if available, else cpu)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="train the eager model instead of compiling it with "
+                             "torch.compile(fullgraph=True)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's initialization and of the training batches "
+                             "(default 0)")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="CPU threads of PyTorch's operators (default: PyTorch's own, one "
+                             "a core); where other processes keep the cores busy, 1 avoids "
+                             "threads waiting on each other and runs several times faster")
+    parser.add_argument("--log-interval", type=_seconds, default=5.0, metavar="SECONDS",
+                        help="seconds between progress lines (default 5)")
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """``torch.set_num_threads(args.threads)`` where ``--threads`` was given."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+
+def train_from_args(args: argparse.Namespace) -> float:
+    """:func:`train` with the options of :func:`add_training_options` (``args.threads`` is
+    applied by :func:`set_threads`, before anything runs)."""
+    return train(args.steps, device=args.device, compile=not args.no_compile, seed=args.seed,
+                 log_interval=args.log_interval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sdm_ops.mqar",
+        description=f"Train the small SparseDeltaMemory model of sdm_ops.mqar on multi-query "
+                    f"associative recall ({MQARTask.num_pairs} key-value pairs, then "
+                    f"{MQARTask.num_queries} of the keys again; the model answers each with its "
+                    f"value) and print its recall accuracy on held-out sequences. Progress: a "
+                    f"line when compiling starts and ends, then a line every few seconds with "
+                    f"the step, loss, time elapsed and time left. The exit status is 0 when the "
+                    f"accuracy reaches {TARGET_ACCURACY}, else 1.")
+    add_training_options(parser)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train on MQAR with the defaults; exit status 0 when recall accuracy >= 0.9."""
-    p = argparse.ArgumentParser(prog="python -m sdm_ops.mqar", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    p.add_argument("--device", default=default_device(),
-                   help="device (default: cuda if available, else cpu)")
-    p.add_argument("--no-compile", action="store_true", help="train the eager model")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    acc = train(args.steps, device=args.device, compile=not args.no_compile, seed=args.seed)
-    return 0 if acc >= TARGET_ACCURACY else 1
+    """Train on MQAR; exit status 0 when the recall accuracy reaches ``TARGET_ACCURACY``."""
+    args = build_parser().parse_args(argv)
+    set_threads(args)
+    return 0 if train_from_args(args) >= TARGET_ACCURACY else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ __all__ = [
     "chunk_weights",
     "compute_dtype",
     "product_key_topk_backward_reference",
+    "product_key_topk_bruteforce",
     "product_key_topk_reference",
     "sdm_chunked_reference",
     "sdm_token_reference",
@@ -99,9 +100,65 @@ def _order_key(x: Tensor) -> Tensor:
     return torch.where(torch.isnan(x), torch.full_like(x, -math.inf), x) + 0.0
 
 
+def _best(score: Tensor, m: int) -> Tensor:
+    """Positions of the ``m`` best columns of each row of ``score`` [n, w], best first: larger
+    score first (under :func:`_order_key`), equal scores to the smaller position."""
+    return torch.argsort(-_order_key(score), dim=-1, stable=True)[:, :m]
+
+
+def _candidate_pairs(kp: int, kf: int, k: int, device) -> tuple[Tensor, Tensor]:
+    """Rank pairs ``(i, j)``, ``i < kp``, ``j < kf``, with ``(i + 1) * (j + 1) <= k``, in
+    row-major order (``i`` major): the only pairs that can be among the ``k`` best."""
+    i = torch.arange(kp, device=device)[:, None]
+    j = torch.arange(kf, device=device)[None, :]
+    pi, pj = torch.nonzero((i + 1) * (j + 1) <= k, as_tuple=True)
+    return pi, pj
+
+
 def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...],
                                k: int) -> tuple[Tensor, Tensor]:
-    """Exact top-k over product keys by brute force (small factors only).
+    """Exact top-k over product keys, factor by factor (the CPU path of the operator).
+
+    Same order and results as :func:`product_key_topk_bruteforce` (bitwise: the same float32
+    sums added in factor order), in memory and time that grow with ``sum(factors)`` and ``k``
+    (at most about ``k * (ln(k) + 1)`` candidate tuples a row and factor), not with
+    ``prod(factors)``.
+
+    Why keeping only the ``k`` best tuples of each prefix is exact: float32 addition with NaN
+    counted as -inf never reverses an order (rounding is monotone; a sum with a NaN or -inf
+    operand, or inf + -inf, is NaN or -inf, the least score; -0 and +0 give equal sums). So if
+    prefix tuple ``p'`` ranks before ``p``, then ``(p', c)`` scores at least ``(p, c)`` and, on
+    equal scores, wins by its better prefix rank; if column ``c'`` ranks before ``c`` in its
+    factor, ``(p, c')`` beats ``(p, c)`` the same way. A tuple at prefix rank ``i`` and column
+    rank ``j`` thus ranks after at least ``(i + 1) * (j + 1) - 1`` others: one among the ``k``
+    best has ``i < k``, ``j < k`` and ``(i + 1) * (j + 1) <= k``. These candidates, listed by
+    ``(i, j)`` row-major, are in the tie order (prefix rank, then column rank), so a stable
+    sort by score ranks them as in the whole product space, and their ``k`` best are the
+    prefix's ``k`` best.
+    """
+    lead = raw.shape[:-1]
+    rows = raw.reshape(-1, raw.shape[-1]).to(torch.float32)
+    cols = torch.split(rows, list(factors), dim=-1)
+    lin = _best(cols[0], min(k, factors[0]))               # [n, kept], best first
+    score = torch.gather(cols[0], 1, lin)
+    for f in range(1, len(factors)):
+        col = _best(cols[f], min(k, factors[f]))           # factor f's best columns
+        fval = torch.gather(cols[f], 1, col)
+        pi, pj = _candidate_pairs(lin.shape[1], col.shape[1], k, rows.device)
+        cand = score[:, pi] + fval[:, pj]                  # float32, in factor order
+        keep = _best(cand, min(k, cand.shape[1]))
+        score = torch.gather(cand, 1, keep)
+        lin = torch.gather(lin[:, pi] * factors[f] + col[:, pj], 1, keep)
+    lin, order = torch.sort(lin, dim=-1)
+    val = torch.gather(score, 1, order).to(raw.dtype)
+    kk = lin.shape[1]
+    return val.reshape(*lead, kk), lin.reshape(*lead, kk)
+
+
+def product_key_topk_bruteforce(raw: Tensor, factors: tuple[int, ...],
+                                k: int) -> tuple[Tensor, Tensor]:
+    """Exact top-k over product keys by brute force: every slot of the product space is scored
+    and ranked (memory and time grow with ``prod(factors)``; the oracle of the tests).
 
     The order (shared with the Triton kernels) is defined factor by factor. Factor 0 ranks its
     columns by value, larger first, equal values to the smaller column. The prefix of factors

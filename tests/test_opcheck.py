@@ -35,7 +35,7 @@ import sdm_ops
 from sdm_ops import ops
 from sdm_ops.ops import _chunk_betas
 from sdm_ops.reference import (QUANT_GROUP, Prepared, dequantize_rows,
-                               product_key_topk_reference, sdm_chunked_reference,
+                               product_key_topk_bruteforce, sdm_chunked_reference,
                                sdm_token_reference, sdm_varlen_reference,
                                wy_solve_reference)
 from tests.helpers import (HAS_CUDA, assert_close, make_packed_sdm_inputs, make_raw,
@@ -187,7 +187,7 @@ class OpsNumerics:
         rest = scores.scatter(-1, lin_c, -math.inf)
         self.assertTrue(bool((scores.gather(-1, lin_c).amin(-1) >= rest.amax(-1)).all()),
                         "a slot not selected scores higher than one selected")
-        rval, rlin = product_key_topk_reference(raw.detach().cpu(), tuple(factors), k)
+        rval, rlin = product_key_topk_bruteforce(raw.detach().cpu(), tuple(factors), k)
         self.assertTrue(torch.equal(lin_c, rlin))
 
     def test_product_key_topk_selects_best_slots_and_gradient_matches_dense(self):

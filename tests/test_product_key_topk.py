@@ -1,8 +1,10 @@
-"""The product-key top-k kernels against the brute-force reference, the tie rule, the sparse
-backward and the argument checks of ``sdm_ops.product_key_topk``.
+"""The product-key top-k kernels and the factorized CPU path against the brute force, the tie
+rule, the sparse backward and the argument checks of ``sdm_ops.product_key_topk``.
 
 Kernel results come from ``with on_kernels():`` (natively on CUDA, under the Triton interpreter
-on CPU); the oracle is ``sdm_ops.reference`` called directly on CPU copies.
+on CPU); the CPU path's from ``sdm_ops.product_key_topk`` on CPU tensors (the factorized
+``reference.product_key_topk_reference``). The oracle is
+``reference.product_key_topk_bruteforce``, which scores every slot of the product space.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from hypothesis import strategies as st
 
 import sdm_ops
 from sdm_ops.kernels import product_key_topk as kern
-from sdm_ops.reference import product_key_topk_backward_reference, product_key_topk_reference
+from sdm_ops.reference import (product_key_topk_backward_reference, product_key_topk_bruteforce,
+                               product_key_topk_reference)
 from tests.helpers import KERNEL_DEVICE, assert_close, on_kernels, requires_cuda, requires_kernels
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -47,9 +50,14 @@ def kernel_topk(raw, factors, k):
     return val.cpu(), lin.cpu()
 
 
+def cpu_topk(raw, factors, k):
+    val, lin = sdm_ops.product_key_topk(raw.cpu(), factors, k)
+    return val, lin
+
+
 def reference_topk(raw, factors, k):
     # Plain torch, no atomics: on the kernel device (large CUDA cases are too slow on CPU).
-    val, lin = product_key_topk_reference(raw.to(KERNEL_DEVICE), tuple(factors), k)
+    val, lin = product_key_topk_bruteforce(raw.to(KERNEL_DEVICE), tuple(factors), k)
     return val.cpu(), lin.cpu()
 
 
@@ -60,10 +68,10 @@ def _empty_topk(raw, factors, k):
     return torch.empty(shape, dtype=raw.dtype), torch.empty(shape, dtype=torch.int64)
 
 
-def assert_same_topk(raw, factors, k):
-    """Kernel and reference select the same slots with bitwise equal values (NaN == NaN,
-    -0 != +0)."""
-    val, lin = kernel_topk(raw, factors, k)
+def assert_same_topk(raw, factors, k, run=kernel_topk):
+    """``run`` (the kernels, or the CPU path) and the brute force select the same slots with
+    bitwise equal values (NaN == NaN, -0 != +0)."""
+    val, lin = run(raw, factors, k)
     rval, rlin = (reference_topk if raw.numel() else _empty_topk)(raw, factors, k)
     kk = min(k, math.prod(factors))
     assert lin.shape == rlin.shape == (*raw.shape[:-1], kk)
@@ -71,8 +79,8 @@ def assert_same_topk(raw, factors, k):
     if not torch.equal(lin, rlin):
         bad = (lin != rlin).nonzero()[0].tolist()
         raise AssertionError(f"factors {factors} k {k}: lin differs first at {bad}: "
-                             f"kernel {lin[tuple(bad[:-1])].tolist()} "
-                             f"reference {rlin[tuple(bad[:-1])].tolist()}")
+                             f"got {lin[tuple(bad[:-1])].tolist()} "
+                             f"brute force {rlin[tuple(bad[:-1])].tolist()}")
     bits = torch.int16 if raw.dtype == torch.bfloat16 else torch.int32
     same = (val.view(bits) == rval.view(bits)) | (val.isnan() & rval.isnan())
     assert bool(same.all()), (f"factors {factors} k {k}: val differs at "
@@ -111,23 +119,27 @@ def test_forward_nan_inf_and_negative_zero(factors, k, dtype):
     assert_same_topk(make_raw((23,), factors, dtype, "special", seed=k), factors, k)
 
 
-@requires_kernels
-def test_forward_tie_rule_by_hand():
+PATHS = [pytest.param(kernel_topk, id="kernels", marks=requires_kernels),
+         pytest.param(cpu_topk, id="cpu")]
+
+
+@pytest.mark.parametrize("run", PATHS)
+def test_forward_tie_rule_by_hand(run):
     """Equal scores go to the better prefix rank, then the better column rank, not the smaller
     slot; NaN ties with -inf and loses to the smaller column."""
     raw = torch.tensor([[0.0, 1.0, 0.0, 0.0]])                  # factors (2, 2)
-    val, lin = kernel_topk(raw, (2, 2), 3)
+    val, lin = run(raw, (2, 2), 3)
     # Ranks: (c0=1, c1=0), (1, 1), (0, 0): slots 2, 3, 0.
     assert lin.tolist() == [[0, 2, 3]] and val.tolist() == [[0.0, 1.0, 1.0]]
     raw = torch.tensor([[5.0, 5.0, 2.0, 3.0, 3.0]])             # factors (2, 3)
-    _, lin = kernel_topk(raw, (2, 3), 3)
+    _, lin = run(raw, (2, 3), 3)
     # Score 8 for (0, 1), (0, 2), (1, 1), (1, 2): prefix rank 0 first, then column rank.
     assert lin.tolist() == [[1, 2, 4]]
     raw = torch.tensor([[math.nan, -math.inf, -1.0]])
-    val, lin = kernel_topk(raw, (3,), 2)
+    val, lin = run(raw, (3,), 2)
     assert lin.tolist() == [[0, 2]] and math.isnan(val[0, 0]) and val[0, 1] == -1.0
     raw = torch.tensor([[-0.0, 0.0]])
-    val, lin = kernel_topk(raw, (2,), 1)
+    val, lin = run(raw, (2,), 1)
     assert lin.tolist() == [[0]] and torch.signbit(val).item()
 
 
@@ -219,6 +231,86 @@ def test_forward_chunked_factor_merges_short_lists(dtype, k):
 def test_cuda_widest_factors_and_largest_k(factors, k):
     for kind in ("randn", "special"):
         assert_same_topk(make_raw((3,), factors, torch.float32, kind, seed=k), factors, k)
+
+
+# ---------------------------------------------------------------------------
+# The CPU path: factor by factor, equal to the brute force
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+@pytest.mark.parametrize("factors", [(13,), (1,), (6, 5), (1, 7), (7, 1), (4, 3, 5), (5, 1, 4),
+                                     (1, 1, 1), (2, 3, 2, 2), (3, 1, 3, 2), (1, 1, 1, 1),
+                                     (9, 2, 1, 3)], ids=str)
+def test_cpu_path_equals_bruteforce(factors, kind, dtype):
+    """Random scores, scores from integers 0..2 (the selection boundary inside ties) and
+    scores with NaN, +-inf and -0; k below, between and above the factors' widths, and
+    k >= prod(factors)."""
+    top = math.prod(factors)
+    for k in sorted({1, 2, 4, 7, 12, max(1, top - 1), top, top + 3, 256}):
+        assert_same_topk(make_raw((11,), factors, dtype, kind, seed=k), factors, k, run=cpu_topk)
+
+
+@pytest.mark.parametrize("factors,k", [((4096, 16), 256), ((16, 4096), 100), ((64, 64, 16), 256),
+                                       ((2, 4096, 2, 4), 77), ((256, 256), 256)], ids=str)
+def test_cpu_path_wide_factors_and_large_k(factors, k):
+    for kind in ("randn", "ties", "special"):
+        assert_same_topk(make_raw((2,), factors, torch.float32, kind, seed=k), factors, k,
+                         run=cpu_topk)
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 3), (2, 3)], ids=str)
+def test_cpu_path_leading_dims_and_zero_rows(shape):
+    raw = make_raw(shape, (4, 5), torch.float32, "ties", seed=2)
+    val, lin = product_key_topk_reference(raw, (4, 5), 6)
+    assert val.shape == lin.shape == (*shape, 6)
+    if raw.numel():
+        assert_same_topk(raw, (4, 5), 6, run=cpu_topk)
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "randn"), (torch.float32, "ties"),
+                                        (torch.bfloat16, "randn")], ids=str)
+def test_cpu_path_runs_the_readme_quick_start_shape(dtype, kind):
+    """The README's call, raw [2, 256, 4, 512] over (256, 256) with k = 8, on CPU: a few rows
+    against the brute force computed on those rows alone (65536 sums a row)."""
+    raw = make_raw((2, 256, 4), (256, 256), dtype, kind, seed=8)
+    val, lin = sdm_ops.product_key_topk(raw, (256, 256), k=8)
+    assert val.shape == lin.shape == (2, 256, 4, 8)
+    assert val.dtype == dtype and lin.dtype == torch.int64
+    assert bool((lin[..., 1:] > lin[..., :-1]).all())
+    rows = [(0, 0, 0), (0, 17, 2), (1, 100, 1), (1, 255, 3)]
+    picked = torch.stack([raw[r] for r in rows])
+    rval, rlin = product_key_topk_bruteforce(picked, (256, 256), 8)
+    assert torch.equal(torch.stack([lin[r] for r in rows]), rlin)
+    assert torch.equal(torch.stack([val[r] for r in rows]), rval)
+
+
+def test_cpu_path_product_space_far_beyond_memory():
+    """(4096,) * 4: 2**48 slots, which no brute force can score. Random distinct scores: the
+    best slot takes each factor's largest column, and every value is its slot's float32 sum in
+    factor order."""
+    factors, k = (4096, 4096, 4096, 4096), 256
+    raw = make_raw((3,), factors, torch.float32, seed=5)
+    val, lin = sdm_ops.product_key_topk(raw, factors, k)
+    assert val.shape == lin.shape == (3, k)
+    assert bool((lin[:, 1:] > lin[:, :-1]).all()) and bool((lin >= 0).all())
+    assert torch.equal(val, recomputed_scores(raw, lin, factors))
+    best = torch.zeros(3, dtype=torch.int64)
+    for block in raw.split(list(factors), dim=-1):
+        best = best * block.shape[-1] + block.argmax(-1)
+    assert bool((lin == best[:, None]).any(-1).all())
+    assert torch.equal(val.max(-1).values, recomputed_scores(raw, best[:, None], factors)[:, 0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(factors=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       k=st.integers(1, 256),
+       rows=st.integers(0, 4),
+       dtype=st.sampled_from(DTYPES),
+       kind=st.sampled_from(["randn", "ties", "special"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_property_cpu_path_equals_bruteforce(factors, k, rows, dtype, kind, seed):
+    assert_same_topk(make_raw((rows,), factors, dtype, kind, seed), factors, k, run=cpu_topk)
 
 
 # ---------------------------------------------------------------------------

@@ -406,7 +406,7 @@ def topk_case(factors: tuple[int, ...], k: int, dtype: torch.dtype, special: boo
             val, lin = product_key_topk(leaf, factors, k)
             (grad,) = torch.autograd.grad(val, leaf, grad_val.to(device))
         val, lin, grad = val.detach().cpu(), lin.cpu(), grad.cpu()
-        rval, rlin = reference.product_key_topk_reference(raw, factors, k)
+        rval, rlin = reference.product_key_topk_bruteforce(raw, factors, k)
         rgrad = reference.product_key_topk_backward_reference(rlin, grad_val, factors).to(dtype)
         if not torch.equal(lin, rlin):
             raise AssertionError(f"lin differs from the reference at "
