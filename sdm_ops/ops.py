@@ -629,7 +629,7 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
                                     dtype=torch.int32)
         with on_device(v):
             # Phase 2 reads each row from the input bank until its stream first writes it, so
-            # only the rows that no chunk writes are copied (PERF_NOTES 32).
+            # only the rows that no chunk writes are copied.
             kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
             kc.bank_copy_unwritten(bank, bank_out, first)
             k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,

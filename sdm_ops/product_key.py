@@ -1,4 +1,4 @@
-"""Exact product-key top-k addressing (SPEC section 3)."""
+"""Exact product-key top-k addressing: ``product_key_topk`` and its factor checks."""
 
 from __future__ import annotations
 

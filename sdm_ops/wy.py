@@ -1,4 +1,4 @@
-"""The per-chunk WY solve of the chunked recurrence (SPEC section 2)."""
+"""The per-chunk WY solve of the chunked recurrence (docs/design.md, section 2)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """The README's and the public docstrings' examples, run as written.
 
-Each README example is the README's own text, found by the heading it sits under and executed
-in one namespace in the README's order (later examples use earlier names: ``v``, ``bank``,
-``dev``). The tests then check what each example claims of its results, so that an example the
-package no longer runs, or whose comments no longer describe what it returns, fails here. The
-docstrings' examples run as doctests: each states the shapes it returns.
+Each README example is the README's own text, found by the heading it sits under, and runs on
+its own in a fresh namespace, as a reader would paste it. The tests then check what each
+example claims of its results, so that an example the package no longer runs, or whose comments
+no longer describe what it returns, fails here. The README's benchmark table must be the one
+``benchmarks/table.py`` renders from the committed results. The docstrings' examples run as
+doctests: each states the shapes it returns.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import functools
 import importlib
 import pathlib
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import sdm_ops
-from tests.helpers import make_sdm_inputs, requires_cuda
+from tests.helpers import requires_cuda
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 @functools.cache
@@ -43,16 +47,33 @@ def readme_examples() -> dict[str, list[str]]:
     return examples
 
 
-def run_examples(namespace: dict, section: str) -> dict:
+def run_example(section: str) -> dict:
+    """The one Python block under ``section``, run alone; returns its namespace."""
     blocks = readme_examples().get(section)
-    assert blocks, f"README has no Python example under {section!r}"
-    for code in blocks:
-        exec(compile(code, f"README.md ({section})", "exec"), namespace)
+    assert blocks and len(blocks) == 1, f"README must have one Python example under {section!r}"
+    namespace: dict = {}
+    exec(compile(blocks[0], f"README.md ({section})", "exec"), namespace)
     return namespace
 
 
-def test_readme_quick_start_layer_compile_and_opcheck_examples_run():
-    ns = run_examples({}, "Quick start")
+def test_every_readme_example_is_tested():
+    tested = {"Train a compiled model", "Call the operators", "Decode under a CUDA graph",
+              "Packed variable-length batches", "Run opcheck"}
+    assert set(readme_examples()) == tested
+
+
+def test_readme_train_example_compiles_and_gives_every_parameter_a_gradient():
+    ns = run_example("Train a compiled model")
+    layer = ns["layer"]
+    assert ns["loss"].requires_grad
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    assert all(g is not None and g.isfinite().all() for g in grads.values()), grads.keys()
+    assert grads["bank"].any(), "the learned initial bank got no gradient"
+    assert ns["y"].shape == (2, 128, 256) and ns["state"].shape == (2, 4, 4096, 64)
+
+
+def test_readme_operators_example_returns_what_its_comments_say():
+    ns = run_example("Call the operators")
     B, T, H, D, S = (ns[n] for n in ("B", "T", "H", "D", "S"))
     assert ns["out"].shape == (B, T, H, D)
     assert ns["new_bank"].shape == (B, H, S, D)
@@ -63,50 +84,48 @@ def test_readme_quick_start_layer_compile_and_opcheck_examples_run():
     assert (lin.diff(dim=-1) > 0).all(), "top-k slots are not ascending"
     assert ((lin >= 0) & (lin < 256 * 256)).all()
 
-    run_examples(ns, "The layer")
-    assert ns["y"].shape == (2, 90, 256) and ns["y_next"].shape == (2, 1, 256)
-    assert ns["state"].shape == (2, 4, 64 * 64, 64)
 
-    run_examples(ns, "Compile a model")
-    assert ns["loss"].requires_grad
-    grads = [p.grad for p in ns["layer"].parameters()]
-    assert grads and all(g is not None and g.isfinite().all() for g in grads)
-    assert ns["out"].shape == (B, T, H, D) and ns["new_bank"].shape == (B, H, S, D)
+def test_readme_packed_example_runs_each_sequence_from_the_shared_bank():
+    ns = run_example("Packed variable-length batches")
+    banks, bank = ns["banks"], ns["bank"]
+    assert ns["out"].shape == (1, 400, 4, 64) and banks.shape == (3, 4, 4096, 64)
+    assert torch.equal(banks[1], bank), "the empty sequence's bank changed"
+    assert not torch.equal(banks[0], bank) and not torch.equal(banks[2], bank)
+    alone = sdm_ops.sparse_delta_memory(*(ns[k][:, 120:400] for k in (
+        "v", "beta", "write_idx", "write_w", "read_idx", "read_w")), bank)
+    torch.testing.assert_close(banks[2], alone.bank[0])
+    torch.testing.assert_close(ns["out"][:, 120:], alone.out)
 
-    # opcheck raises where the operator fails one of its checks.
-    run_examples(ns, "Run opcheck on the operators")
 
-
-def test_readme_variable_length_example_runs():
-    """Its inputs are made as its comment describes them: [1, 4000, ...] and a shared bank."""
-    ns = run_examples({}, "Quick start")
-    H, D, S, W, R, dev = (ns[n] for n in ("H", "D", "S", "W", "R", "dev"))
-    T = 4000
-    ns.update(make_sdm_inputs(1, T, H, D, S, W, R, shared=True, device=dev))
-    run_examples(ns, "Variable-length batches")
-    assert ns["out"].shape == (1, T, H, D)
-    banks = ns["banks"]
-    assert banks.shape == (3, H, S, D)
-    assert torch.equal(banks[1], ns["bank"]), "the empty sequence's bank changed"
-    assert not torch.equal(banks[0], ns["bank"]) and not torch.equal(banks[2], ns["bank"])
+def test_readme_opcheck_example_passes():
+    # opcheck raises where an operator fails one of its checks.
+    ns = run_example("Run opcheck")
+    assert ns["args"][0].requires_grad
 
 
 @requires_cuda
 def test_cuda_readme_decode_graph_example_matches_eager_decoding():
-    ns = run_examples({}, "Quick start")
-    assert ns["dev"] == "cuda"
-    run_examples(ns, "Capture a CUDA graph for decoding")
-    B, T, H, S, D = (ns[n] for n in ("B", "T", "H", "S", "D"))
-    eager = ns["bank"].expand(B, H, S, D).clone()
+    ns = run_example("Decode under a CUDA graph")
+    T, tokens = ns["T"], ns["tokens"]
+    eager = torch.zeros_like(ns["state"])
     for t in range(T):
-        last = sdm_ops.sparse_delta_memory_(*ns["step"](t), eager)
+        last = sdm_ops.sparse_delta_memory_(*(x[:, t:t + 1] for x in tokens), eager)
     torch.cuda.synchronize()
     assert torch.equal(ns["state"], eager), "the replayed decode's bank differs from eager"
     assert torch.equal(ns["out_t"], last), "the last replay's output differs from eager"
 
 
-# The public modules whose docstrings give examples (STYLE.md: every public docstring gives a
-# runnable example); a module that loses its examples fails its case below.
+def test_readme_benchmark_table_is_rendered_from_the_committed_results():
+    results = ROOT / "benchmarks" / "results" / "h200.json"
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "table.py"), str(results), "--section",
+         "main", "--section", "decode", "--section", "peers"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    assert table in README.read_text(), "README's table is not table.py's rendering"
+
+
+# The public modules whose docstrings give examples (every public docstring gives a runnable
+# example); a module that loses its examples fails its case below.
 DOCUMENTED_MODULES = ["sdm_ops.nn", "sdm_ops.product_key", "sdm_ops.recurrence", "sdm_ops.wy"]
 
 

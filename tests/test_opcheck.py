@@ -42,7 +42,7 @@ from tests.helpers import (HAS_CUDA, assert_close, make_packed_sdm_inputs, make_
                            make_sdm_inputs, make_wy_inputs, requires_cuda, to_float64)
 
 FAILURES_DICT = os.path.join(os.path.dirname(__file__), "opcheck_failures.json")
-RTOL = 1e-5          # float32 against float64 (SPEC section 5)
+RTOL = 1e-5          # float32 against float64 (the numerical contract)
 BF16_RTOL = 3e-2     # bfloat16 inputs and bank: a few units of 2^-8 (as tests/test_recurrence.py)
 OPCHECK_UTILS = ["test_schema", "test_autograd_registration", "test_faketensor",
                  "test_aot_dispatch_dynamic"]

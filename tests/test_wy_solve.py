@@ -3,7 +3,7 @@
 Kernel results come from ``sdm_ops.wy_solve`` and autograd through it inside ``on_kernels()``
 (natively on CUDA, under the Triton interpreter on CPU); the oracle is ``wy_solve_reference``
 (and autograd through it) on float64 CPU copies. Relative error <= 1e-5 of the largest expected
-magnitude, as SPEC section 5 asks for float32.
+magnitude, as the numerical contract asks for float32.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """One decode step (T = 1) of the recurrence, in place, in one launch.
 
-For every stream (b, h) and its one token (the recurrence of docs/design.md), with d[s] the product
-of the
-token's decays on slot s and K[s] the sum of its write weights on s:
+For every stream (b, h) and its one token (the recurrence of docs/design.md), with d[s] the
+product of the token's decays on slot s and K[s] the sum of its write weights on s:
 
     retrieved = sum_a write_w[a] d[s_a] M[s_a]          u = beta (v - retrieved)
     M[s] <- d[s] M[s] + K[s] u                           (each slot the token writes)
