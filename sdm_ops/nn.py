@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_int, check_shape, check_tensor
+from ._checks import FLOAT_DTYPES, check_int, check_shape, check_tensor
 from .product_key import check_factors, product_key_topk
 from .recurrence import (CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES, sparse_delta_memory,
                          sparse_delta_memory_)
@@ -163,14 +163,36 @@ class SparseDeltaMemory(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, T, d_model = {self.d_model}], got "
                              f"{list(x.shape)}")
+        weight = self.value.weight      # x's first consumers: the projections
+        want = weight.dtype
+        # Under autocast the projections cast x themselves: any floating dtype is accepted.
+        if x.dtype != want and not (x.is_floating_point()
+                                    and torch.is_autocast_enabled(x.device.type)):
+            raise TypeError(f"x must have the layer's parameter dtype "
+                            f"{str(want).replace('torch.', '')}, got {x.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on "
+                             f"{weight.device}; x must be on the layer's device")
 
-    def _check_state(self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None) -> None:
-        check_tensor("state", state, ndim=4)
+    @staticmethod
+    def _check_cu_seqlens(cu_seqlens) -> None:
+        """Its type only: :func:`sdm_ops.sparse_delta_memory` checks the rest."""
+        if cu_seqlens is not None:
+            check_tensor("cu_seqlens", cu_seqlens)
+
+    def _check_state(self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None, *,
+                     inplace: bool) -> None:
+        check_tensor("state", state, ndim=4, dtypes=FLOAT_DTYPES)
         if cu_seqlens is None:
             lead, what = x.shape[0], "[B, H, S, D]"
         else:
             lead, what = cu_seqlens.shape[0] - 1, "[N, H, S, D] (N sequences in cu_seqlens)"
         check_shape("state", state, (lead, self.heads, self.slots, self.head_dim), what)
+        if state.device != x.device:
+            raise ValueError(f"state is on {state.device} but x is on {x.device}; "
+                             "they must be on one device")
+        if inplace and not state.is_contiguous():
+            raise ValueError("state must be contiguous to be updated in place by step_")
 
     def forward(self, x: Tensor, state: Tensor | None = None, return_state: bool = False,
                 cu_seqlens: Tensor | None = None):
@@ -179,8 +201,9 @@ class SparseDeltaMemory(nn.Module):
         recurrence continues from it instead of the learned initial bank. ``cu_seqlens``
         packs variable-length sequences into ``x [1, T, d_model]`` (see the class)."""
         self._check_x(x)
+        self._check_cu_seqlens(cu_seqlens)
         if state is not None:
-            self._check_state(state, x, cu_seqlens)
+            self._check_state(state, x, cu_seqlens, inplace=False)
         a = self._inputs(x)
         bank = self.bank if state is None else state
         out, final = sparse_delta_memory(a["v"], a["beta"], a["write_idx"], a["write_w"],
@@ -197,7 +220,8 @@ class SparseDeltaMemory(nn.Module):
         to what :meth:`forward` gives for these tokens after the same history. With
         ``cu_seqlens``, x is ``[1, T, d_model]`` and state ``[N, H, S, D]``."""
         self._check_x(x)
-        self._check_state(state, x, cu_seqlens)
+        self._check_cu_seqlens(cu_seqlens)
+        self._check_state(state, x, cu_seqlens, inplace=True)
         a = self._inputs(x)
         out = sparse_delta_memory_(a["v"], a["beta"], a["write_idx"], a["write_w"],
                                    a["read_idx"], a["read_w"], state, a["decay"],

@@ -195,3 +195,55 @@ def test_bad_x_raises_naming_x(x, error):
         layer(x)
     with pytest.raises(error, match="x must"):
         layer.step_(x, layer.initial_state(B))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bfloat16])
+def test_x_of_another_dtype_than_the_parameters_raises_type_error_naming_x(dtype):
+    layer = make_layer()
+    x = make_x().to(dtype)
+    with pytest.raises(TypeError, match="x must have the layer's parameter dtype float32"):
+        layer(x)
+    with pytest.raises(TypeError, match="x must have the layer's parameter dtype float32"):
+        layer.step_(x, layer.initial_state(B))
+
+
+def test_x_on_another_device_than_the_parameters_raises_naming_x():
+    layer = make_layer()
+    with pytest.raises(ValueError, match="x is on meta"):
+        layer(make_x().to("meta"))
+
+
+@pytest.mark.parametrize("make, error, text", [
+    (lambda s: s.double(), TypeError, "state must have dtype"),
+    (lambda s: s.to(torch.int32), TypeError, "state must have dtype"),
+    (lambda s: s.to("meta"), ValueError, "state is on meta"),
+    (lambda s: s.tolist(), TypeError, "state must be a torch.Tensor"),
+], ids=["float64", "int32", "meta", "list"])
+def test_bad_state_is_reported_as_state_not_bank(make, error, text):
+    layer = make_layer()
+    x = make_x(5)
+    with pytest.raises(error, match=text):
+        layer(x, state=make(layer.initial_state(B)))
+    with pytest.raises(error, match=text):
+        layer.step_(x, make(layer.initial_state(B)))
+
+
+def test_step_needs_a_contiguous_state_and_names_it():
+    layer = make_layer()
+    state = layer.initial_state(B).transpose(0, 1).contiguous().transpose(0, 1)
+    before = state.clone()
+    with pytest.raises(ValueError, match="state must be contiguous"):
+        layer.step_(make_x(1), state)
+    assert torch.equal(state, before)
+    layer(make_x(1), state=state)           # forward does not write the state: any layout
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_cu_seqlens_as_a_list_raises_type_error_naming_it(with_state):
+    layer = make_layer()
+    x = make_x(5)[:1]
+    state = layer.initial_state(2) if with_state else None
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        layer(x, state=state, cu_seqlens=[0, 2, 5])
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        layer.step_(x, layer.initial_state(2), cu_seqlens=[0, 2, 5])

@@ -237,3 +237,13 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
     assert torch.cuda.current_device() == 0
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"result {i} differs between cuda:1 and cuda:0"
+
+
+@pytest.mark.parametrize("cu", [[0, 2, 5], (0, 2, 5), 5])
+def test_cu_seqlens_that_is_not_a_tensor_raises_type_error_naming_it(cu):
+    a = make_sdm_inputs(B=1, T=5, H=2, D=16, S=11, W=3, R=2, seed=4)
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        sdm_ops.sparse_delta_memory(**a, cu_seqlens=cu)
+    bank = a.pop("bank").expand(2, -1, -1, -1).clone()
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        sdm_ops.sparse_delta_memory_(**a, bank=bank, cu_seqlens=cu)
