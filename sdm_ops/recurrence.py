@@ -134,7 +134,8 @@ class _DataChecks(NamedTuple):
     @classmethod
     def start(cls, write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None,
               T: int) -> _DataChecks | None:
-        if not data_checks_enabled():
+        # Meta tensors hold no data to check: shapes only (what a meta-device model needs).
+        if not data_checks_enabled() or write_idx.is_meta:
             return None
         values = torch.stack(_index_bounds(write_idx) + _index_bounds(read_idx))
         if cu_seqlens is not None:

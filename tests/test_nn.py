@@ -247,3 +247,15 @@ def test_cu_seqlens_as_a_list_raises_type_error_naming_it(with_state):
         layer(x, state=state, cu_seqlens=[0, 2, 5])
     with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
         layer.step_(x, layer.initial_state(2), cu_seqlens=[0, 2, 5])
+
+
+def test_a_layer_on_the_meta_device_gives_meta_outputs_of_the_right_shapes():
+    with torch.device("meta"):
+        layer = SparseDeltaMemory(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4),
+                                  read_topk=3, write_topk=2, chunk_size=16)
+        x = torch.empty(B, T, D_MODEL)
+    y, state = layer(x, return_state=True)
+    assert y.is_meta and state.is_meta
+    assert y.shape == (B, T, D_MODEL) and state.shape == (B, 2, 16, 16)
+    y1 = layer.step_(x[:, :1], state)
+    assert y1.is_meta and y1.shape == (B, 1, D_MODEL)

@@ -247,3 +247,32 @@ def test_cu_seqlens_that_is_not_a_tensor_raises_type_error_naming_it(cu):
     bank = a.pop("bank").expand(2, -1, -1, -1).clone()
     with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
         sdm_ops.sparse_delta_memory_(**a, bank=bank, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_meta_tensors_give_meta_outputs_of_the_right_shapes(packed):
+    """Meta tensors hold no data: the checks that read data are skipped, the shape checks
+    still run, and both functions return meta tensors shaped as on a real device."""
+    if packed:
+        a = make_packed_sdm_inputs([5, 0, 21, 11], seed=5)
+    else:
+        a = make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, seed=5)
+    m = {k: t.to("meta") for k, t in a.items()}
+    banks = a["bank"].shape[0]
+    m["v"].requires_grad_()
+    out, bank = sdm_ops.sparse_delta_memory(**m)
+    assert out.is_meta and bank.is_meta
+    assert out.shape == a["v"].shape and bank.shape == (banks, 2, 11, 16)
+    out.sum().backward()
+    assert m["v"].grad.is_meta and m["v"].grad.shape == a["v"].shape
+    out_ = sdm_ops.sparse_delta_memory_(**dict(m, v=m["v"].detach()))
+    assert out_.is_meta and out_.shape == a["v"].shape
+    # Shape checks still run on meta tensors.
+    with pytest.raises(ValueError, match="beta"):
+        sdm_ops.sparse_delta_memory(**dict(m, beta=m["beta"][:, :4]))
+
+
+def test_a_meta_decode_step_gives_a_meta_output():
+    a = make_sdm_inputs(B=2, T=1, H=2, D=16, S=11, W=3, R=2, seed=6)
+    out = sdm_ops.sparse_delta_memory_(**{k: t.to("meta") for k, t in a.items()})
+    assert out.is_meta and out.shape == (2, 1, 2, 16)
