@@ -276,3 +276,24 @@ def test_a_meta_decode_step_gives_a_meta_output():
     a = make_sdm_inputs(B=2, T=1, H=2, D=16, S=11, W=3, R=2, seed=6)
     out = sdm_ops.sparse_delta_memory_(**{k: t.to("meta") for k, t in a.items()})
     assert out.is_meta and out.shape == (2, 1, 2, 16)
+
+
+@pytest.mark.parametrize("which", ["all", "v", "shared bank", "in place"])
+def test_head_first_layout_is_reported_against_v_naming_the_layout(which):
+    """fla's head-first [B, H, T, D] layout: every per-token input transposed shows only as a
+    bank of the wrong heads, v alone transposed as a beta of the wrong shape; both are v's
+    error, which names the expected [B, T, H, D] layout."""
+    a = make_sdm_inputs(B=2, T=5, H=3, D=16, S=11, W=3, R=2, seed=7)
+    hf = {k: t if k == "bank" else t.transpose(1, 2) for k, t in a.items()}
+    bad = {"all": hf, "v": dict(a, v=hf["v"]), "shared bank": dict(hf, bank=a["bank"][0]),
+           "in place": hf}[which]
+    fn = sdm_ops.sparse_delta_memory_ if which == "in place" else sdm_ops.sparse_delta_memory
+    with pytest.raises(ValueError, match=r"^v must have shape \[B, T, H, D\] \(time before "
+                                         r"heads\).*head-first \[B, H, T, D\]"):
+        fn(**bad)
+
+
+def test_a_bank_of_the_wrong_heads_is_still_the_bank_s_error():
+    a = _args(seed=8)                                   # T = 5, H = 2
+    with pytest.raises(ValueError, match="^bank must have shape"):
+        sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:, :1]))
