@@ -55,7 +55,8 @@ def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, e
         state = a["bank"].clone()
         before = state.clone()
         with pytest.raises(error, match=text):
-            sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in bad.items() if k != "bank"})
+            sdm_ops.sparse_delta_memory_(bank=state,
+                                         **{k: v for k, v in bad.items() if k != "bank"})
         assert torch.equal(state, before), "a rejected in-place call modified the bank"
 
 
@@ -74,7 +75,8 @@ def test_in_place_update_needs_a_contiguous_per_stream_bank():
     with pytest.raises(ValueError, match="bank"):
         sdm_ops.sparse_delta_memory_(bank=a["bank"][0], **rest)           # shared [H, S, D]
     with pytest.raises(ValueError, match="contiguous"):
-        sdm_ops.sparse_delta_memory_(bank=a["bank"].transpose(0, 1).contiguous().transpose(0, 1), **rest)
+        strided = a["bank"].transpose(0, 1).contiguous().transpose(0, 1)
+        sdm_ops.sparse_delta_memory_(bank=strided, **rest)
 
 
 def test_too_many_entries_per_token_is_rejected():
@@ -226,7 +228,8 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
         with torch.no_grad():           # the inference forward: its bank copy on a side stream
             inference = sdm_ops.sparse_delta_memory(**a)
         state = a["bank"].clone()
-        step = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"})
+        step = sdm_ops.sparse_delta_memory_(bank=state,
+                                            **{k: v for k, v in a.items() if k != "bank"})
         raw = torch.randn(6, 8 + 8, generator=torch.Generator().manual_seed(5)).to(a["v"].device)
         top = sdm_ops.product_key_topk(raw, (8, 8), 4)
         return [t.cpu() for t in (out, bank, *grads, *inference, step, state, *top)]
