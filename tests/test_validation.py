@@ -300,3 +300,16 @@ def test_a_bank_of_the_wrong_heads_is_still_the_bank_s_error():
     a = _args(seed=8)                                   # T = 5, H = 2
     with pytest.raises(ValueError, match="^bank must have shape"):
         sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:, :1]))
+
+
+def test_a_bad_option_under_torch_compile_names_the_option():
+    """The checks run while Dynamo traces: without fullgraph the ValueError itself comes
+    through; with fullgraph=True torch reports it inside its own exception (Unsupported:
+    "Observed exception"), whose text holds the ValueError's."""
+    a = _args(seed=9)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"chunk_size must be one of \[16, 32, 64, 128\]"):
+        torch.compile(sdm_ops.sparse_delta_memory, fullgraph=True)(**a, chunk_size=7)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="chunk_size must be one of"):
+        torch.compile(sdm_ops.sparse_delta_memory)(**a, chunk_size=7)
