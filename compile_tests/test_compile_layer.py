@@ -20,7 +20,7 @@ B, D_MODEL, H, D = 2, 32, 2, 16
 def make_layer(decay: bool = True) -> SparseDeltaMemory:
     torch.manual_seed(0)
     layer = SparseDeltaMemory(D_MODEL, heads=H, head_dim=D, factors=(4, 8), read_topk=3,
-                              write_topk=2, decay=decay, chunk_size=16)
+                              write_topk=2, use_decay=decay, chunk_size=16)
     with torch.no_grad():
         layer.bank.normal_()
     return layer

@@ -41,7 +41,7 @@ class TinyModel(nn.Module):
         super().__init__()
         self.inp = nn.Linear(D_MODEL, D_MODEL)
         self.memory = SparseDeltaMemory(D_MODEL, heads=2, head_dim=16, factors=(4, 8),
-                                        read_topk=3, write_topk=2, decay=True, chunk_size=16)
+                                        read_topk=3, write_topk=2, use_decay=True, chunk_size=16)
         self.head = nn.Linear(D_MODEL, D_MODEL)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -97,10 +97,10 @@ class MQARModel(nn.Module):
 
     def __init__(self, vocab: int, d_model: int = 64, layers: int = 2, heads: int = 2,
                  head_dim: int = 32, factors: Sequence[int] = (16, 16), read_topk: int = 8,
-                 write_topk: int = 8, decay: bool = True, chunk_size: int = 16):
+                 write_topk: int = 8, use_decay: bool = True, chunk_size: int = 16):
         super().__init__()
         memory = dict(heads=heads, head_dim=head_dim, factors=tuple(factors),
-                      read_topk=read_topk, write_topk=write_topk, decay=decay,
+                      read_topk=read_topk, write_topk=write_topk, use_decay=use_decay,
                       chunk_size=chunk_size)
         self.embed = nn.Embedding(vocab, d_model)
         self.blocks = nn.ModuleList(Block(d_model, memory) for _ in range(layers))

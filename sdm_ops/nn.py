@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_int, check_shape, check_tensor
+from ._checks import FLOAT_DTYPES, check_int, check_shape, check_tensor
 from .product_key import check_factors, product_key_topk
 from .recurrence import (CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES, sparse_delta_memory,
                          sparse_delta_memory_)
@@ -31,21 +31,22 @@ class SparseDeltaMemory(nn.Module):
 
     For each head h, token t projects
 
-    - a read query and a write key, each ``[F, key_dim]`` (one vector per factor); factor f's
-      scores are their dots with the learned sub-keys ``sub_keys[h, f] [factors[f], key_dim]``
-      (shared by reads and writes, so a query finds the slots a matching key wrote), scaled by
-      ``key_dim ** -0.5``: ``raw [B, T, H, sum(factors)]``;
+    - a read query (``q_proj``) and a write key (``k_proj``), each ``[F, key_dim]`` (one
+      vector per factor); factor f's scores are their dots with the learned sub-keys
+      ``sub_keys[h, f] [factors[f], key_dim]`` (shared by reads and writes, so a query finds
+      the slots a matching key wrote), scaled by ``key_dim ** -0.5``:
+      ``raw [B, T, H, sum(factors)]``;
     - ``product_key_topk(raw, factors, k)`` picks the ``k`` best of ``S = prod(factors)`` slots
       (``read_topk`` for the read, ``write_topk`` for the write); the softmax of their scores
       over the k slots is ``read_w`` / ``write_w`` and the slot indices are ``read_idx`` /
       ``write_idx`` ``[B, T, H, k]`` (int64);
-    - a value ``v [B, T, H, D]``, a write strength ``beta = sigmoid(.) [B, T, H]`` and, with
-      ``decay=True``, a decay ``sigmoid(. + 4) [B, T, H]`` applied to every slot the token
-      writes;
+    - a value ``v [B, T, H, D]`` (``v_proj``), a write strength ``beta = sigmoid(.) [B, T, H]``
+      (``b_proj``) and, with ``use_decay=True``, a decay ``sigmoid(. + 4) [B, T, H]``
+      (``decay_proj``) applied to every slot the token writes;
 
     runs :func:`sdm_ops.sparse_delta_memory` from the learned initial bank ``bank [H, S, D]``
     (zeros at init) or a given state, and projects the heads' outputs ``[B, T, H * D]`` back
-    to ``d_model``.
+    to ``d_model`` (``o_proj``).
 
     Args:
         d_model: input and output width.
@@ -55,7 +56,8 @@ class SparseDeltaMemory(nn.Module):
             ``S = prod(factors)`` slots (at most 2^20), e.g. ``(32, 32)`` -> 1024.
         read_topk: R, slots each token reads, 1 to 64 (capped at S).
         write_topk: W, slots each token writes, 1 to 64 (capped at S).
-        decay: whether written slots decay before the write (a learned gate per token/head).
+        use_decay: whether written slots decay before the write (a learned gate per token and
+            head, ``decay_proj``).
         chunk_size: the recurrence's chunk, one of 16, 32, 64, 128.
         snapshot: the recurrence's backward snapshot, "none", "bf16", "fp8" or "int4".
         key_dim: width of the query/key vectors dotted with the sub-keys (default 32).
@@ -79,7 +81,7 @@ class SparseDeltaMemory(nn.Module):
     """
 
     def __init__(self, d_model: int, heads: int, head_dim: int, factors: Sequence[int],
-                 read_topk: int, write_topk: int, decay: bool = True, chunk_size: int = 64,
+                 read_topk: int, write_topk: int, use_decay: bool = True, chunk_size: int = 64,
                  snapshot: str = "none", *, key_dim: int = 32):
         super().__init__()
         check_int("d_model", d_model, low=1)
@@ -92,8 +94,8 @@ class SparseDeltaMemory(nn.Module):
                              f"prod({list(factors)}) = {S}")
         check_int("read_topk", read_topk, low=1, high=MAX_ENTRIES)
         check_int("write_topk", write_topk, low=1, high=MAX_ENTRIES)
-        if not isinstance(decay, bool):
-            raise TypeError(f"decay must be a bool, got {type(decay).__name__}")
+        if not isinstance(use_decay, bool):
+            raise TypeError(f"use_decay must be a bool, got {type(use_decay).__name__}")
         check_int("chunk_size", chunk_size, choices=CHUNK_SIZES)
         if not isinstance(snapshot, str) or snapshot not in SNAPSHOT_MODES:
             raise ValueError(f"snapshot must be one of {list(SNAPSHOT_MODES)}, got {snapshot!r}")
@@ -102,24 +104,24 @@ class SparseDeltaMemory(nn.Module):
         self.d_model, self.heads, self.head_dim = d_model, heads, head_dim
         self.factors, self.slots, self.key_dim = factors, S, key_dim
         self.read_topk, self.write_topk = read_topk, write_topk
-        self.use_decay, self.chunk_size, self.snapshot = decay, chunk_size, snapshot
+        self.use_decay, self.chunk_size, self.snapshot = use_decay, chunk_size, snapshot
 
         H, Fn = heads, len(factors)
-        self.query = nn.Linear(d_model, H * Fn * key_dim, bias=False)
-        self.key = nn.Linear(d_model, H * Fn * key_dim, bias=False)
+        self.q_proj = nn.Linear(d_model, H * Fn * key_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, H * Fn * key_dim, bias=False)
         self.sub_keys = nn.Parameter(torch.randn(H, sum(factors), key_dim) / math.sqrt(key_dim))
-        self.value = nn.Linear(d_model, H * head_dim, bias=False)
-        self.beta = nn.Linear(d_model, H)
-        self.decay = nn.Linear(d_model, H) if decay else None
-        if self.decay is not None:
-            nn.init.constant_(self.decay.bias, DECAY_BIAS)
+        self.v_proj = nn.Linear(d_model, H * head_dim, bias=False)
+        self.b_proj = nn.Linear(d_model, H)
+        self.decay_proj = nn.Linear(d_model, H) if use_decay else None
+        if self.decay_proj is not None:
+            nn.init.constant_(self.decay_proj.bias, DECAY_BIAS)
         self.bank = nn.Parameter(torch.zeros(H, S, head_dim))
-        self.out = nn.Linear(H * head_dim, d_model, bias=False)
+        self.o_proj = nn.Linear(H * head_dim, d_model, bias=False)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, heads={self.heads}, head_dim={self.head_dim}, "
                 f"factors={self.factors}, read_topk={self.read_topk}, "
-                f"write_topk={self.write_topk}, decay={self.use_decay}, "
+                f"write_topk={self.write_topk}, use_decay={self.use_decay}, "
                 f"chunk_size={self.chunk_size}, snapshot={self.snapshot!r}")
 
     def _scores(self, proj: nn.Linear, x: Tensor) -> Tensor:
@@ -140,18 +142,18 @@ class SparseDeltaMemory(nn.Module):
     def _inputs(self, x: Tensor) -> dict[str, Tensor | None]:
         """The recurrence's per-token arguments from x [B, T, d_model]."""
         B, T, _ = x.shape
-        write_idx, write_w = self._address(self.key, x, self.write_topk)
-        read_idx, read_w = self._address(self.query, x, self.read_topk)
+        write_idx, write_w = self._address(self.k_proj, x, self.write_topk)
+        read_idx, read_w = self._address(self.q_proj, x, self.read_topk)
         decay = None
-        if self.decay is not None:
-            decay = torch.sigmoid(self.decay(x)).unsqueeze(-1).expand_as(write_w)
-        return dict(v=self.value(x).view(B, T, self.heads, self.head_dim),
-                    beta=torch.sigmoid(self.beta(x)), write_idx=write_idx, write_w=write_w,
+        if self.decay_proj is not None:
+            decay = torch.sigmoid(self.decay_proj(x)).unsqueeze(-1).expand_as(write_w)
+        return dict(v=self.v_proj(x).view(B, T, self.heads, self.head_dim),
+                    beta=torch.sigmoid(self.b_proj(x)), write_idx=write_idx, write_w=write_w,
                     read_idx=read_idx, read_w=read_w, decay=decay)
 
     def _output(self, out: Tensor) -> Tensor:
         B, T = out.shape[:2]
-        return self.out(out.reshape(B, T, self.heads * self.head_dim))
+        return self.o_proj(out.reshape(B, T, self.heads * self.head_dim))
 
     def initial_state(self, batch_size: int) -> Tensor:
         """A fresh ``[B, H, S, D]`` state (a copy of the learned initial bank, detached) for
@@ -163,14 +165,36 @@ class SparseDeltaMemory(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, T, d_model = {self.d_model}], got "
                              f"{list(x.shape)}")
+        weight = self.v_proj.weight      # x's first consumers: the projections
+        want = weight.dtype
+        # Under autocast the projections cast x themselves: any floating dtype is accepted.
+        if x.dtype != want and not (x.is_floating_point()
+                                    and torch.is_autocast_enabled(x.device.type)):
+            raise TypeError(f"x must have the layer's parameter dtype "
+                            f"{str(want).replace('torch.', '')}, got {x.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on "
+                             f"{weight.device}; x must be on the layer's device")
 
-    def _check_state(self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None) -> None:
-        check_tensor("state", state, ndim=4)
+    @staticmethod
+    def _check_cu_seqlens(cu_seqlens) -> None:
+        """Its type only: :func:`sdm_ops.sparse_delta_memory` checks the rest."""
+        if cu_seqlens is not None:
+            check_tensor("cu_seqlens", cu_seqlens)
+
+    def _check_state(self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None, *,
+                     inplace: bool) -> None:
+        check_tensor("state", state, ndim=4, dtypes=FLOAT_DTYPES)
         if cu_seqlens is None:
             lead, what = x.shape[0], "[B, H, S, D]"
         else:
             lead, what = cu_seqlens.shape[0] - 1, "[N, H, S, D] (N sequences in cu_seqlens)"
         check_shape("state", state, (lead, self.heads, self.slots, self.head_dim), what)
+        if state.device != x.device:
+            raise ValueError(f"state is on {state.device} but x is on {x.device}; "
+                             "they must be on one device")
+        if inplace and not state.is_contiguous():
+            raise ValueError("state must be contiguous to be updated in place by step_")
 
     def forward(self, x: Tensor, state: Tensor | None = None, return_state: bool = False,
                 cu_seqlens: Tensor | None = None):
@@ -179,8 +203,9 @@ class SparseDeltaMemory(nn.Module):
         recurrence continues from it instead of the learned initial bank. ``cu_seqlens``
         packs variable-length sequences into ``x [1, T, d_model]`` (see the class)."""
         self._check_x(x)
+        self._check_cu_seqlens(cu_seqlens)
         if state is not None:
-            self._check_state(state, x, cu_seqlens)
+            self._check_state(state, x, cu_seqlens, inplace=False)
         a = self._inputs(x)
         bank = self.bank if state is None else state
         out, final = sparse_delta_memory(a["v"], a["beta"], a["write_idx"], a["write_w"],
@@ -197,7 +222,8 @@ class SparseDeltaMemory(nn.Module):
         to what :meth:`forward` gives for these tokens after the same history. With
         ``cu_seqlens``, x is ``[1, T, d_model]`` and state ``[N, H, S, D]``."""
         self._check_x(x)
-        self._check_state(state, x, cu_seqlens)
+        self._check_cu_seqlens(cu_seqlens)
+        self._check_state(state, x, cu_seqlens, inplace=True)
         a = self._inputs(x)
         out = sparse_delta_memory_(a["v"], a["beta"], a["write_idx"], a["write_w"],
                                    a["read_idx"], a["read_w"], state, a["decay"],

@@ -50,6 +50,15 @@ def _check_cu_seqlens(cu: list[int], T: int) -> None:
         raise ValueError(f"cu_seqlens must end at the number of tokens T = {T}, got {cu[-1]}")
 
 
+def _head_first(v: Tensor, heads: int, other: str, rest: str) -> ValueError:
+    """The error for ``v`` in a head-first ``[B, H, T, D]`` layout (fla's ``head_first``), seen
+    as v.shape[1] matching ``other``'s number of heads ``heads`` where v.shape[2] does not."""
+    return ValueError(
+        f"v must have shape [B, T, H, D] (time before heads), got {list(v.shape)}: its "
+        f"dimension 1 ({v.shape[1]}) is {other}'s number of heads H = {heads}, as in a "
+        f"head-first [B, H, T, D] layout; transpose v (v.transpose(1, 2)){rest}")
+
+
 def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
                 cu_seqlens=None, *, inplace: bool) -> None:
     """Checks every argument's type, shape, device and options; the checks that read data are
@@ -59,6 +68,8 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
     if D not in HEAD_DIMS:
         raise ValueError(f"v's last dimension D must be one of {list(HEAD_DIMS)}, got {D}")
     check_tensor("beta", beta, ndim=3, dtypes=FLOAT_DTYPES)
+    if tuple(beta.shape) == (B, H, T) and H != T:
+        raise _head_first(v, T, "beta", "")
     check_shape("beta", beta, (B, T, H), "[B, T, H]")
     check_tensor("write_idx", write_idx, ndim=4, dtypes=INDEX_DTYPES)
     W = write_idx.shape[-1]
@@ -92,6 +103,11 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
         banks, lead = cu_seqlens.shape[0] - 1, "N"
     check_tensor("bank", bank, ndim=(4,) if inplace else (3, 4), dtypes=FLOAT_DTYPES)
     S = bank.shape[-2]
+    if bank.shape[-3] == T != H and bank.shape[-1] == D:
+        # Every per-token input agrees with v, so all of them are head-first: only the bank,
+        # whose heads are not in time's place, shows it.
+        raise _head_first(v, T, "the bank", " and the other per-token inputs, or give the "
+                          f"bank H = {H} heads")
     if bank.dim() == 4:
         check_shape("bank", bank, (banks, H, S, D), f"[{lead}, H, S, D]")
     else:
@@ -135,7 +151,8 @@ class _DataChecks(NamedTuple):
     @classmethod
     def start(cls, write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None,
               T: int) -> _DataChecks | None:
-        if not data_checks_enabled():
+        # Meta tensors hold no data to check: shapes only (what a meta-device model needs).
+        if not data_checks_enabled() or write_idx.is_meta:
             return None
         values = torch.stack(_index_bounds(write_idx) + _index_bounds(read_idx))
         if cu_seqlens is not None:

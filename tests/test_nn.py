@@ -33,7 +33,7 @@ def make_x(T: int = T, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("decay", [True, False])
 def test_output_and_state_shapes(decay):
-    layer = make_layer(decay=decay)
+    layer = make_layer(use_decay=decay)
     x = make_x()
     y = layer(x)
     assert y.shape == (B, T, D_MODEL) and y.dtype == torch.float32
@@ -52,7 +52,7 @@ def test_zero_length_sequence_gives_empty_output_and_the_initial_bank():
 
 @pytest.mark.parametrize("decay", [True, False])
 def test_gradients_reach_every_parameter(decay):
-    layer = make_layer(decay=decay)
+    layer = make_layer(use_decay=decay)
     x = make_x().requires_grad_()
     g = torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(2))
     (layer(x) * g).sum().backward()
@@ -60,13 +60,13 @@ def test_gradients_reach_every_parameter(decay):
                if p.grad is None or not torch.isfinite(p.grad).all() or p.grad.abs().sum() == 0]
     assert not missing, f"parameters without a finite non-zero gradient: {missing}"
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
-    assert (layer.decay is not None) == decay
+    assert (layer.decay_proj is not None) == decay
 
 
 @pytest.mark.parametrize("decay", [True, False])
 @pytest.mark.parametrize("split", [1, 16, 20])
 def test_continuing_from_returned_state_equals_the_whole_sequence(decay, split):
-    layer = make_layer(decay=decay)
+    layer = make_layer(use_decay=decay)
     x = make_x()
     want = layer(x)
     y1, state = layer(x[:, :split], return_state=True)
@@ -76,7 +76,7 @@ def test_continuing_from_returned_state_equals_the_whole_sequence(decay, split):
 
 @pytest.mark.parametrize("decay", [True, False])
 def test_step_token_by_token_equals_forward(decay):
-    layer = make_layer(decay=decay)
+    layer = make_layer(use_decay=decay)
     x = make_x()
     want, want_state = layer(x, return_state=True)
     state = layer.initial_state(B)
@@ -98,16 +98,17 @@ def test_step_after_a_prompt_in_blocks_equals_forward():
 
 
 def test_decay_off_equals_decay_of_one():
-    """decay=False runs the recurrence without decay: the same as decays of exactly 1."""
-    on, off = make_layer(decay=True), make_layer(decay=False)
-    off.load_state_dict({k: v for k, v in on.state_dict().items() if not k.startswith("decay.")})
+    """use_decay=False runs the recurrence without decay: the same as decays of exactly 1."""
+    on, off = make_layer(use_decay=True), make_layer(use_decay=False)
+    off.load_state_dict({k: v for k, v in on.state_dict().items()
+                         if not k.startswith("decay_proj.")})
     with torch.no_grad():
-        on.decay.weight.zero_()
-        on.decay.bias.fill_(100.0)          # sigmoid(100) == 1 in float32
+        on.decay_proj.weight.zero_()
+        on.decay_proj.bias.fill_(100.0)          # sigmoid(100) == 1 in float32
     x = make_x()
     assert_close(on(x), off(x), rtol=RTOL, name="decay 1 against decay off")
     with torch.no_grad():
-        on.decay.bias.fill_(-2.0)
+        on.decay_proj.bias.fill_(-2.0)
     assert (on(x) - off(x)).abs().max() > 1e-3, "a decay of sigmoid(-2) changed nothing"
 
 
@@ -124,7 +125,7 @@ def test_bad_option_raises_value_error_naming_it(option, value):
 
 
 @pytest.mark.parametrize("option, value", [
-    ("heads", 2.0), ("factors", 16), ("read_topk", True), ("decay", 1),
+    ("heads", 2.0), ("factors", 16), ("read_topk", True), ("use_decay", 1),
 ])
 def test_option_of_wrong_type_raises_type_error_naming_it(option, value):
     opts = dict(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3,
@@ -167,15 +168,15 @@ def test_packed_sequences_equal_each_sequence_alone_forward_and_gradients():
     y, state = layer(packed, return_state=True, cu_seqlens=cu)
     assert y.shape == (1, 37, D_MODEL) and state.shape == (4, 2, 16, 16)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
-    grads = torch.autograd.grad((y * g).sum(), [packed, layer.value.weight])
+    grads = torch.autograd.grad((y * g).sum(), [packed, layer.v_proj.weight])
     alone = [x.clone().requires_grad_() for x in xs]
     outs = [layer(x, return_state=True) for x in alone]
     want_y = torch.cat([o[0] for o in outs], 1)
-    want = torch.autograd.grad((want_y * g).sum(), [*alone, layer.value.weight])
+    want = torch.autograd.grad((want_y * g).sum(), [*alone, layer.v_proj.weight])
     assert_close(y, want_y, rtol=RTOL, name="y")
     assert_close(state, torch.cat([o[1] for o in outs]), rtol=RTOL, name="final states")
     assert_close(grads[0], torch.cat(want[:-1], 1), rtol=RTOL, name="dx")
-    assert_close(grads[1], want[-1], rtol=RTOL, name="d value.weight")
+    assert_close(grads[1], want[-1], rtol=RTOL, name="d v_proj.weight")
     # Decoding continues each sequence from its own state: one token for each.
     step = torch.randn(1, 4, D_MODEL, generator=torch.Generator().manual_seed(4))
     one = torch.arange(5, dtype=torch.int32)
@@ -195,3 +196,85 @@ def test_bad_x_raises_naming_x(x, error):
         layer(x)
     with pytest.raises(error, match="x must"):
         layer.step_(x, layer.initial_state(B))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.bfloat16])
+def test_x_of_another_dtype_than_the_parameters_raises_type_error_naming_x(dtype):
+    layer = make_layer()
+    x = make_x().to(dtype)
+    with pytest.raises(TypeError, match="x must have the layer's parameter dtype float32"):
+        layer(x)
+    with pytest.raises(TypeError, match="x must have the layer's parameter dtype float32"):
+        layer.step_(x, layer.initial_state(B))
+
+
+def test_x_on_another_device_than_the_parameters_raises_naming_x():
+    layer = make_layer()
+    with pytest.raises(ValueError, match="x is on meta"):
+        layer(make_x().to("meta"))
+
+
+@pytest.mark.parametrize("make, error, text", [
+    (lambda s: s.double(), TypeError, "state must have dtype"),
+    (lambda s: s.to(torch.int32), TypeError, "state must have dtype"),
+    (lambda s: s.to("meta"), ValueError, "state is on meta"),
+    (lambda s: s.tolist(), TypeError, "state must be a torch.Tensor"),
+], ids=["float64", "int32", "meta", "list"])
+def test_bad_state_is_reported_as_state_not_bank(make, error, text):
+    layer = make_layer()
+    x = make_x(5)
+    with pytest.raises(error, match=text):
+        layer(x, state=make(layer.initial_state(B)))
+    with pytest.raises(error, match=text):
+        layer.step_(x, make(layer.initial_state(B)))
+
+
+def test_step_needs_a_contiguous_state_and_names_it():
+    layer = make_layer()
+    state = layer.initial_state(B).transpose(0, 1).contiguous().transpose(0, 1)
+    before = state.clone()
+    with pytest.raises(ValueError, match="state must be contiguous"):
+        layer.step_(make_x(1), state)
+    assert torch.equal(state, before)
+    layer(make_x(1), state=state)           # forward does not write the state: any layout
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_cu_seqlens_as_a_list_raises_type_error_naming_it(with_state):
+    layer = make_layer()
+    x = make_x(5)[:1]
+    state = layer.initial_state(2) if with_state else None
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        layer(x, state=state, cu_seqlens=[0, 2, 5])
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        layer.step_(x, layer.initial_state(2), cu_seqlens=[0, 2, 5])
+
+
+def test_a_layer_on_the_meta_device_gives_meta_outputs_of_the_right_shapes():
+    with torch.device("meta"):
+        layer = SparseDeltaMemory(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4),
+                                  read_topk=3, write_topk=2, chunk_size=16)
+        x = torch.empty(B, T, D_MODEL)
+    y, state = layer(x, return_state=True)
+    assert y.is_meta and state.is_meta
+    assert y.shape == (B, T, D_MODEL) and state.shape == (B, 2, 16, 16)
+    y1 = layer.step_(x[:, :1], state)
+    assert y1.is_meta and y1.shape == (B, 1, D_MODEL)
+
+
+@pytest.mark.parametrize("use_decay", [True, False])
+def test_parameters_have_fla_style_projection_names(use_decay):
+    layer = make_layer(use_decay=use_decay)
+    assert layer.use_decay is use_decay
+    names = {"q_proj", "k_proj", "v_proj", "b_proj", "o_proj"} | ({"decay_proj"} if use_decay
+                                                                 else set())
+    assert {n for n, _ in layer.named_children()} == names
+    assert {n for n, _ in layer.named_parameters(recurse=False)} == {"sub_keys", "bank"}
+    assert all(isinstance(getattr(layer, n), torch.nn.Linear) for n in names)
+    assert f"use_decay={use_decay}" in repr(layer)
+    assert not hasattr(layer, "decay")
+
+
+def test_the_old_decay_keyword_is_gone():
+    with pytest.raises(TypeError, match="decay"):
+        make_layer(decay=True)

@@ -56,7 +56,8 @@ def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, e
         state = a["bank"].clone()
         before = state.clone()
         with pytest.raises(error, match=text):
-            sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in bad.items() if k != "bank"})
+            sdm_ops.sparse_delta_memory_(bank=state,
+                                         **{k: v for k, v in bad.items() if k != "bank"})
         assert torch.equal(state, before), "a rejected in-place call modified the bank"
 
 
@@ -75,7 +76,8 @@ def test_in_place_update_needs_a_contiguous_per_stream_bank():
     with pytest.raises(ValueError, match="bank"):
         sdm_ops.sparse_delta_memory_(bank=a["bank"][0], **rest)           # shared [H, S, D]
     with pytest.raises(ValueError, match="contiguous"):
-        sdm_ops.sparse_delta_memory_(bank=a["bank"].transpose(0, 1).contiguous().transpose(0, 1), **rest)
+        strided = a["bank"].transpose(0, 1).contiguous().transpose(0, 1)
+        sdm_ops.sparse_delta_memory_(bank=strided, **rest)
 
 
 def test_too_many_entries_per_token_is_rejected():
@@ -227,7 +229,8 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
         with torch.no_grad():           # the inference forward: its bank copy on a side stream
             inference = sdm_ops.sparse_delta_memory(**a)
         state = a["bank"].clone()
-        step = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"})
+        step = sdm_ops.sparse_delta_memory_(bank=state,
+                                            **{k: v for k, v in a.items() if k != "bank"})
         raw = torch.randn(6, 8 + 8, generator=torch.Generator().manual_seed(5)).to(a["v"].device)
         top = sdm_ops.product_key_topk(raw, (8, 8), 4)
         return [t.cpu() for t in (out, bank, *grads, *inference, step, state, *top)]
@@ -238,3 +241,76 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
     assert torch.cuda.current_device() == 0
     for i, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g, w), f"result {i} differs between cuda:1 and cuda:0"
+
+
+@pytest.mark.parametrize("cu", [[0, 2, 5], (0, 2, 5), 5])
+def test_cu_seqlens_that_is_not_a_tensor_raises_type_error_naming_it(cu):
+    a = make_sdm_inputs(B=1, T=5, H=2, D=16, S=11, W=3, R=2, seed=4)
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        sdm_ops.sparse_delta_memory(**a, cu_seqlens=cu)
+    bank = a.pop("bank").expand(2, -1, -1, -1).clone()
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        sdm_ops.sparse_delta_memory_(**a, bank=bank, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_meta_tensors_give_meta_outputs_of_the_right_shapes(packed):
+    """Meta tensors hold no data: the checks that read data are skipped, the shape checks
+    still run, and both functions return meta tensors shaped as on a real device."""
+    if packed:
+        a = make_packed_sdm_inputs([5, 0, 21, 11], seed=5)
+    else:
+        a = make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, seed=5)
+    m = {k: t.to("meta") for k, t in a.items()}
+    banks = a["bank"].shape[0]
+    m["v"].requires_grad_()
+    out, bank = sdm_ops.sparse_delta_memory(**m)
+    assert out.is_meta and bank.is_meta
+    assert out.shape == a["v"].shape and bank.shape == (banks, 2, 11, 16)
+    out.sum().backward()
+    assert m["v"].grad.is_meta and m["v"].grad.shape == a["v"].shape
+    out_ = sdm_ops.sparse_delta_memory_(**dict(m, v=m["v"].detach()))
+    assert out_.is_meta and out_.shape == a["v"].shape
+    # Shape checks still run on meta tensors.
+    with pytest.raises(ValueError, match="beta"):
+        sdm_ops.sparse_delta_memory(**dict(m, beta=m["beta"][:, :4]))
+
+
+def test_a_meta_decode_step_gives_a_meta_output():
+    a = make_sdm_inputs(B=2, T=1, H=2, D=16, S=11, W=3, R=2, seed=6)
+    out = sdm_ops.sparse_delta_memory_(**{k: t.to("meta") for k, t in a.items()})
+    assert out.is_meta and out.shape == (2, 1, 2, 16)
+
+
+@pytest.mark.parametrize("which", ["all", "v", "shared bank", "in place"])
+def test_head_first_layout_is_reported_against_v_naming_the_layout(which):
+    """fla's head-first [B, H, T, D] layout: every per-token input transposed shows only as a
+    bank of the wrong heads, v alone transposed as a beta of the wrong shape; both are v's
+    error, which names the expected [B, T, H, D] layout."""
+    a = make_sdm_inputs(B=2, T=5, H=3, D=16, S=11, W=3, R=2, seed=7)
+    hf = {k: t if k == "bank" else t.transpose(1, 2) for k, t in a.items()}
+    bad = {"all": hf, "v": dict(a, v=hf["v"]), "shared bank": dict(hf, bank=a["bank"][0]),
+           "in place": hf}[which]
+    fn = sdm_ops.sparse_delta_memory_ if which == "in place" else sdm_ops.sparse_delta_memory
+    with pytest.raises(ValueError, match=r"^v must have shape \[B, T, H, D\] \(time before "
+                                         r"heads\).*head-first \[B, H, T, D\]"):
+        fn(**bad)
+
+
+def test_a_bank_of_the_wrong_heads_is_still_the_bank_s_error():
+    a = _args(seed=8)                                   # T = 5, H = 2
+    with pytest.raises(ValueError, match="^bank must have shape"):
+        sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:, :1]))
+
+
+def test_a_bad_option_under_torch_compile_names_the_option():
+    """The checks run while Dynamo traces: without fullgraph the ValueError itself comes
+    through; with fullgraph=True torch reports it inside its own exception (Unsupported:
+    "Observed exception"), whose text holds the ValueError's."""
+    a = _args(seed=9)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"chunk_size must be one of \[16, 32, 64, 128\]"):
+        torch.compile(sdm_ops.sparse_delta_memory, fullgraph=True)(**a, chunk_size=7)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="chunk_size must be one of"):
+        torch.compile(sdm_ops.sparse_delta_memory)(**a, chunk_size=7)
