@@ -1,4 +1,4 @@
-"""The ``SparseDeltaMemory`` layer (SPEC section 3): ``[B, T, d_model] -> [B, T, d_model]``.
+"""The ``SparseDeltaMemory`` layer: ``[B, T, d_model] -> [B, T, d_model]``.
 
 Per head, a read query and a write key address the bank through exact product-key top-k over
 learned sub-keys; the selected scores, softmax-normalized over the k slots, are the read and

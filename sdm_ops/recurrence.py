@@ -1,4 +1,4 @@
-"""The SDM recurrence (SPEC sections 1-3): ``sparse_delta_memory`` and ``sparse_delta_memory_``.
+"""The SDM recurrence (docs/design.md): ``sparse_delta_memory`` and ``sparse_delta_memory_``.
 
 Each checks its arguments and calls its operator once, ``sdm::sparse_delta_memory`` or
 ``sdm::sparse_delta_memory_`` (``sdm_ops.ops``: phase 1, the WY solve and phase 2 with no host
