@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .layout import FP8_MAX, INT4_MAX, QUANT_GROUP, ChunkWeights, Prepared
+from ..layout import FP8_MAX, INT4_MAX, QUANT_GROUP, ChunkWeights, Prepared
 
 __all__ = [
     "ChunkWeights",
