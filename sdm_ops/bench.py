@@ -132,9 +132,9 @@ def packed_workload(B, T, H, D, S, W, R) -> tuple[dict, torch.Tensor, torch.Tens
 def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per chunk ([B, H, N] each): how many of its entries (write and read, padding aside)
     name a slot that another entry of the chunk names too (the entries phase 1 must pair), and
-    the most entries on one slot. A chunk with more than ``chunk_prepare.COMPACT`` entries in
-    one hash bucket (on one slot, unless two slots share a hash) takes phase 1's dense
-    kernels."""
+    the most entries on one slot. A chunk with more than ``chunk_prepare_sparse.COMPACT``
+    entries in one hash bucket (on one slot, unless two slots share a hash) takes phase 1's
+    dense kernels."""
     idx = torch.cat([a["write_idx"], a["read_idx"]], dim=-1)         # [B, T, H, E]
     B, T, H, E = idx.shape
     C = chunk_size
@@ -452,7 +452,7 @@ def section_packed(run: Run) -> None:
 
 
 def section_addressing(run: Run) -> None:
-    from .kernels.chunk_prepare import COMPACT
+    from .kernels.chunk_prepare_sparse import COMPACT
     S = run.args.S
     t = Section(run, "addressing", f"indices uniform over a hot set of slots, float32 bank, "
                 f"decay; a chunk with more than {COMPACT} entries on one slot runs phase 1's "

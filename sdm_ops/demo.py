@@ -22,6 +22,7 @@ import torch
 import sdm_ops
 from sdm_ops import mqar
 from sdm_ops import reference as ref
+from sdm_ops.reference._common import _chunked
 
 
 def _check(name: str, ok: bool, detail: str) -> bool:
@@ -114,7 +115,7 @@ def check_operators(args) -> bool:
     prep = ref.chunk_prepare_reference(write_idx.cpu(), write_w.cpu(), read_idx.cpu(),
                                        read_w.cpu(), None, S, 64)
     A, QK = prep.A.reshape(-1, 64, 64), prep.QK.reshape(-1, 64, 64)
-    betas = ref._chunked(ref.to_streams(beta.cpu()), 64, 0)       # [chunks, 64]
+    betas = _chunked(ref.to_streams(beta.cpu()), 64, 0)       # [chunks, 64]
     X, QX = sdm_ops.wy_solve(A.to(dev), betas.to(dev), QK.to(dev))
     X_r, QX_r = ref.wy_solve_reference(A.double(), betas.double(), QK.double())
     err_w = max(((X.cpu().double() - X_r).abs().max() / X_r.abs().max()).item(),

@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op
 
-from . import reference
+from . import layout, reference
 from .kernels._common import on_device, sm_count, use_kernels
 from .meta import product_key_topk as product_key_topk_meta
 from .meta import recurrence as recurrence_meta
@@ -592,7 +592,7 @@ def _recurrence_fwd_cpu(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Te
                         seq_chunks: Tensor | None = None
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm_internal::recurrence_fwd``: the reference."""
-    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
+    prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     if chunks is not None:
         res = reference.recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep, X, QX,
                                                         bank, snapshot, chunks, seq_chunks)
@@ -647,7 +647,7 @@ def _recurrence_fwd_inplace_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx
                                 QX: Tensor, chunks: Tensor | None = None,
                                 seq_chunks: Tensor | None = None) -> Tensor:
     """The CPU path of ``sdm_internal::recurrence_fwd_``: the reference."""
-    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
+    prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     if chunks is not None:
         out, bank_out = reference.recurrence_fwd_varlen_reference(
             v, beta, write_idx, read_idx, prep, X, QX, bank, "none", chunks, seq_chunks)[:2]
@@ -736,7 +736,7 @@ def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gathe
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                    Tensor]:
     """The CPU path of ``sdm_internal::recurrence_bwd``: the reference."""
-    prep = reference.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
+    prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
     B, T, H, D = res.shape
     v_like = res.new_empty((B, T, H, D))
     args = (v_like, beta, write_idx, read_idx, prep, X, QX, bank_rows, snap, snap_scale, snapshot,

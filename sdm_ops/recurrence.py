@@ -17,7 +17,7 @@ from torch import Tensor
 from . import ops
 from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
                       check_tensor, data_checks_enabled)
-from .reference import SNAPSHOT_MODES
+from .layout import SNAPSHOT_MODES
 
 CHUNK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (16, 32, 64, 128, 256)

@@ -11,6 +11,7 @@ import torch
 from sdm_ops import ops
 from sdm_ops import reference as ref
 from sdm_ops.kernels import chunk_prepare as kernel
+from sdm_ops.kernels import chunk_prepare_sparse as sparse
 from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
                            on_kernels, requires_kernels, to_float64)
 
@@ -30,7 +31,7 @@ def heavy_flags(monkeypatch):
         return shared
 
     monkeypatch.setattr(kernel, "_sparse_launch", spy)
-    return seen, lambda mc: monkeypatch.setattr(kernel, "COMPACT", mc)
+    return seen, lambda mc: monkeypatch.setattr(sparse, "COMPACT", mc)
 
 
 def _prepare(a, C, cu=None):
@@ -106,7 +107,7 @@ def test_the_paths_split_chunks_and_both_run(heavy_flags, monkeypatch):
     last stream's."""
     seen, set_compact = heavy_flags
     set_compact(16)
-    monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 2)
+    monkeypatch.setattr(sparse, "_STRIDED_PROGRAMS", 2)
     a = make_sdm_inputs(B=2, H=2, D=16, T=64, W=8, R=8, S=2000, seed=3, device=KERNEL_DEVICE)
     for b, h, n in ((0, 0, 0), (0, 0, 2), (1, 1, 1)):
         a["write_idx"][b, 16 * n:16 * n + 9, h, :2] = 1999
@@ -125,14 +126,14 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
     6, is past the last), program 1 chunks 1, 3 and 5."""
     seen, set_compact = heavy_flags
     set_compact(16)
-    monkeypatch.setattr(kernel, "_STRIDED_PROGRAMS", 2)
-    monkeypatch.setattr(kernel, "_WALK", 2)
+    monkeypatch.setattr(sparse, "_STRIDED_PROGRAMS", 2)
+    monkeypatch.setattr(sparse, "_WALK", 2)
     windows = []
-    launch = kernel.wrap_triton
+    launch = sparse.wrap_triton
 
     def spy(fn):
         launcher = launch(fn)
-        if fn is not kernel._chunk_pairs_kernel:
+        if fn is not sparse._chunk_pairs_kernel:
             return launcher
 
         class Spy:
@@ -143,7 +144,7 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
                 return run
         return Spy()
 
-    monkeypatch.setattr(kernel, "wrap_triton", spy)
+    monkeypatch.setattr(sparse, "wrap_triton", spy)
     a = make_sdm_inputs(B=1, H=2, D=16, T=48, W=4, R=4, S=100, seed=8, device=KERNEL_DEVICE)
     _check(a, 16, seed=8)
     shared = _shared_counts(a, 16)
@@ -186,7 +187,7 @@ def test_packed_batch_on_both_paths(heavy_flags, compact):
 def test_geometries_past_the_sparse_limit_use_the_dense_path_alone(heavy_flags):
     seen, _ = heavy_flags
     a = make_sdm_inputs(B=1, H=1, D=16, T=20, W=40, R=3, S=5000, seed=6, device=KERNEL_DEVICE)
-    assert kernel.sparse_geometry(40, 3, 32) is None
+    assert sparse.sparse_geometry(40, 3, 32) is None
     _check(a, 32, seed=6)
     assert seen == [None, None]
 

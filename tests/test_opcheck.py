@@ -33,9 +33,9 @@ from torch.testing._internal.optests import generate_opcheck_tests
 
 import sdm_ops
 from sdm_ops import ops
+from sdm_ops.layout import QUANT_GROUP, Prepared
 from sdm_ops.ops import _chunk_betas
-from sdm_ops.reference import (QUANT_GROUP, Prepared, dequantize_rows,
-                               product_key_topk_bruteforce, sdm_chunked_reference,
+from sdm_ops.reference import (dequantize_rows, product_key_topk_bruteforce, sdm_chunked_reference,
                                sdm_token_reference, sdm_varlen_reference,
                                wy_solve_reference)
 from tests.helpers import (HAS_CUDA, assert_close, make_packed_sdm_inputs, make_raw,

@@ -67,11 +67,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..layout import QUANT_GROUP
 from ._common import sm_count
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 from .chunk_prepare import chunk_grid
 
-BLOCK_D = 16          # columns per program; also the snapshot quantization group
+BLOCK_D = QUANT_GROUP  # columns per program: a program quantizes one snapshot group
 _ROWS = 32            # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
 _TILE = 8192          # entries x columns gathered at once

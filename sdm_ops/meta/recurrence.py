@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..reference import QUANT_GROUP
+from ..layout import QUANT_GROUP
 
 
 def weight_dtype(*tensors: Tensor | None) -> torch.dtype:

@@ -1,0 +1,61 @@
+"""Types and constants shared by the operators, the reference, the kernels and the fakes.
+
+``Prepared`` is the ``sdm_internal::chunk_prepare`` operator's output contract and
+``ChunkWeights`` the per-chunk form the reference builds it from; the snapshot constants fix
+the storage of the chunk-start bank rows that the forward keeps for the backward.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+__all__ = ["FP8_MAX", "INT4_MAX", "QUANT_GROUP", "SNAPSHOT_MODES", "ChunkWeights", "Prepared"]
+
+SNAPSHOT_MODES = ("none", "bf16", "fp8", "int4")
+QUANT_GROUP = 16      # columns sharing one scale in the fp8 and int4 snapshots
+FP8_MAX = 448.0       # largest float8_e4m3fn
+INT4_MAX = 7.0        # int4 codes are round(x / scale) in [-7, 7], stored + 8
+
+
+class Prepared(NamedTuple):
+    """Phase-1 outputs for every chunk (the ``sdm_internal::chunk_prepare`` operator's contract).
+
+    A, QK: [B, H, N, C, C] (N = ceil(T / C) chunks); gather_w, scatter_w, row_decay: [B, T, H, W];
+    gather_r: [B, T, H, R]; all float (compute dtype). rank [B, T, H, W] and read_rank
+    [B, T, H, R]: int32 (see ChunkWeights). Padding entries have weight 0, decay 1 and rank 0.
+    """
+    A: Tensor
+    QK: Tensor
+    gather_w: Tensor
+    gather_r: Tensor
+    scatter_w: Tensor
+    row_decay: Tensor
+    rank: Tensor
+    read_rank: Tensor
+
+
+class ChunkWeights(NamedTuple):
+    """Everything the bank-free first phase derives from one chunk of every stream.
+
+    Shapes use P streams, C tokens, W write and R read entries per token.
+    A, QK: [P, C, C] (strict lower / lower triangle, zero elsewhere);
+    gather_w: [P, C, W], write weight times the decay from the chunk start through its token;
+    gather_r: [P, C, R], the same for read entries (decays of the write entries);
+    scatter_w: [P, C, W], write weight times the decay after its token to the chunk end;
+    row_decay: [P, C, W], the whole chunk's decay product on the entry's slot;
+    rank: [P, C, W] int64, how many earlier (token-major) entries of the chunk share the slot;
+    read_rank: [P, C, R] int64, the same among the read entries;
+    slot / rslot: [P, C, W] / [P, C, R] int64 slots, -1 for padding.
+    """
+    A: Tensor
+    QK: Tensor
+    gather_w: Tensor
+    gather_r: Tensor
+    scatter_w: Tensor
+    row_decay: Tensor
+    rank: Tensor
+    read_rank: Tensor
+    slot: Tensor
+    rslot: Tensor
