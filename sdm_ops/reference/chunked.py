@@ -46,7 +46,7 @@ def _chunk_entries(write_idx, write_w, read_idx, read_w, decay, s: int) -> _Chun
 
 
 def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkWeights:
-    """Phase 1 of SPEC section 2 for one chunk of every stream (inputs [P, C, W] / [P, C, R])."""
+    """Phase 1 of the chunked form for one chunk of every stream (inputs [P, C, W] / [P, C, R])."""
     P, C, W = write_idx.shape
     R = read_idx.shape[-1]
     cd = write_w.dtype
@@ -223,7 +223,7 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
 
 def sdm_chunked_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
                           chunk_size: int = 64):
-    """SPEC section 2: phase 1, the WY solve and phase 2, vectorized over streams.
+    """The chunked form: phase 1, the WY solve and phase 2, vectorized over streams.
 
     v [B, T, H, D]; beta [B, T, H]; write_idx, write_w, decay [B, T, H, W]; read_idx, read_w
     [B, T, H, R]; bank [B, H, S, D] or [H, S, D]. Returns (out [B, T, H, D], bank [B, H, S, D])

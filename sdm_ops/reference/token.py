@@ -9,7 +9,7 @@ from ._common import _entries, _gather_rows, compute_dtype
 
 
 def sdm_token_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
-    """SPEC section 1 token by token on dense per-stream state (small S only).
+    """The recurrence token by token on dense per-stream state (small S only).
 
     Returns (out [B, T, H, D], bank [B, H, S, D]) in the compute dtype.
     """
@@ -44,7 +44,7 @@ def sdm_token_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, dec
 
 
 def decode_step_reference(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None):
-    """One token (T = 1) of SPEC section 1 on every stream, touching only the rows the token
+    """One token (T = 1) of the recurrence on every stream, touching only the rows the token
     addresses (any S): d[s] is the product of the token's decays on slot s and K[s] the sum
     of its write weights there, so M[s] <- d[s] M[s] + K[s] u with u = beta (v - sum_a w_a
     d[s_a] M[s_a]), and out reads the written rows as d M + K u.
