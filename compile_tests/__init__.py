@@ -16,7 +16,6 @@ import pytest
 import torch
 import triton
 
-
 try:  # what ``triton.jit`` returns under TRITON_INTERPRET=1
     from triton.runtime.interpreter import InterpretedFunction
 except ImportError:

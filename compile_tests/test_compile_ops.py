@@ -10,10 +10,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
 import sdm_ops
-from compile_tests import assert_kernels_in_code, kernels_defined_in, launched_kernels
-from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
-from tests.helpers import assert_close, requires_cuda
-from tests.helpers import make_raw, make_wy_inputs
+from compile_tests import (
+    assert_kernels_in_code,
+    fresh_dynamo,  # noqa: F401  (an autouse fixture)
+    kernels_defined_in,
+    launched_kernels,
+)
+from tests.helpers import assert_close, make_raw, make_wy_inputs, requires_cuda
 
 RTOL = 1e-5     # compiled against eager: float32 rounding
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]

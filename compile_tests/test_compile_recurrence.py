@@ -14,8 +14,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
 import sdm_ops
-from compile_tests import assert_kernels_in_code, launched_kernels
-from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from compile_tests import (
+    assert_kernels_in_code,
+    fresh_dynamo,  # noqa: F401  (an autouse fixture)
+    launched_kernels,
+)
 from tests.helpers import assert_close, capture, make_sdm_inputs, requires_cuda
 
 RTOL = 1e-5     # compiled against eager: float32 rounding

@@ -14,18 +14,19 @@ import os
 import socket
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
-from compile_tests import kernels_defined_in, launched_kernels
+from compile_tests import (
+    fresh_dynamo,  # noqa: F401  (an autouse fixture)
+    kernels_defined_in,
+    launched_kernels,
+)
 from sdm_ops.nn import SparseDeltaMemory
-from tests.helpers import (assert_close, capture, kernel_modules, requires_cuda,
-                           requires_multi_gpu)
+from tests.helpers import assert_close, capture, kernel_modules, requires_cuda, requires_multi_gpu
 
 RTOL = 1e-4         # compiled or captured against eager, after SGD steps: float32 rounding
 DDP_RTOL = 1e-5     # two GPUs against one: float32 reduction order only
@@ -173,7 +174,7 @@ def layer_loss(layer: SparseDeltaMemory, x: torch.Tensor, g: torch.Tensor) -> to
 
 @requires_cuda
 def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
-    from expecttest import assert_expected_inline   # here: if missing, only this test fails
+    from expecttest import assert_expected_inline  # here: if missing, only this test fails
     candidates = sdm_kernel_names()
     layer = make_model().memory.cuda()
     x, g = (t.cuda() for t in make_batch(0))

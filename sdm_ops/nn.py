@@ -19,8 +19,13 @@ from torch import Tensor, nn
 from ._checks import FLOAT_DTYPES, check_int, check_shape, check_tensor
 from .layout import SNAPSHOT_MODES
 from .product_key import check_factors, product_key_topk
-from .recurrence import (CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES, sparse_delta_memory,
-                         sparse_delta_memory_)
+from .recurrence import (
+    CHUNK_SIZES,
+    HEAD_DIMS,
+    MAX_ENTRIES,
+    sparse_delta_memory,
+    sparse_delta_memory_,
+)
 
 MAX_SLOTS = 1 << 20
 DECAY_BIAS = 4.0        # sigmoid(4) ~ 0.982: slots start close to no decay

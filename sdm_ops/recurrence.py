@@ -15,8 +15,15 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_shape,
-                      check_tensor, data_checks_enabled)
+from ._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_int,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    data_checks_enabled,
+)
 from .layout import SNAPSHOT_MODES
 
 CHUNK_SIZES = (16, 32, 64, 128)

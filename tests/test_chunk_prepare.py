@@ -12,8 +12,15 @@ from sdm_ops import ops
 from sdm_ops import reference as ref
 from sdm_ops.kernels import chunk_prepare as kernel
 from sdm_ops.kernels import chunk_prepare_sparse as sparse
-from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
-                           on_kernels, requires_kernels, to_float64)
+from tests.helpers import (
+    KERNEL_DEVICE,
+    assert_close,
+    make_packed_sdm_inputs,
+    make_sdm_inputs,
+    on_kernels,
+    requires_kernels,
+    to_float64,
+)
 
 pytestmark = requires_kernels
 

@@ -10,8 +10,14 @@ import torch
 
 import sdm_ops
 from sdm_ops import reference as ref
-from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
-                           requires_kernels, to_float64)
+from tests.helpers import (
+    KERNEL_DEVICE,
+    assert_close,
+    make_sdm_inputs,
+    on_kernels,
+    requires_kernels,
+    to_float64,
+)
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 

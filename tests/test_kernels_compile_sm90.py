@@ -19,8 +19,15 @@ import torch
 
 import sdm_ops
 from sdm_ops.kernels import recurrence_fwd
-from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, kernel_modules, make_packed_sdm_inputs,
-                           make_sdm_inputs, on_kernels, requires_kernels)
+from tests.helpers import (
+    HAS_CUDA,
+    KERNEL_DEVICE,
+    kernel_modules,
+    make_packed_sdm_inputs,
+    make_sdm_inputs,
+    on_kernels,
+    requires_kernels,
+)
 
 triton = pytest.importorskip("triton")
 

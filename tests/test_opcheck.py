@@ -35,11 +35,24 @@ import sdm_ops
 from sdm_ops import ops
 from sdm_ops.layout import QUANT_GROUP, Prepared
 from sdm_ops.ops import _chunk_betas
-from sdm_ops.reference import (dequantize_rows, product_key_topk_bruteforce, sdm_chunked_reference,
-                               sdm_token_reference, sdm_varlen_reference,
-                               wy_solve_reference)
-from tests.helpers import (HAS_CUDA, assert_close, make_packed_sdm_inputs, make_raw,
-                           make_sdm_inputs, make_wy_inputs, requires_cuda, to_float64)
+from sdm_ops.reference import (
+    dequantize_rows,
+    product_key_topk_bruteforce,
+    sdm_chunked_reference,
+    sdm_token_reference,
+    sdm_varlen_reference,
+    wy_solve_reference,
+)
+from tests.helpers import (
+    HAS_CUDA,
+    assert_close,
+    make_packed_sdm_inputs,
+    make_raw,
+    make_sdm_inputs,
+    make_wy_inputs,
+    requires_cuda,
+    to_float64,
+)
 
 FAILURES_DICT = os.path.join(os.path.dirname(__file__), "opcheck_failures.json")
 RTOL = 1e-5          # float32 against float64 (the numerical contract)

@@ -18,8 +18,11 @@ from hypothesis import strategies as st
 
 import sdm_ops
 from sdm_ops.kernels import product_key_topk as kern
-from sdm_ops.reference import (product_key_topk_backward_reference, product_key_topk_bruteforce,
-                               product_key_topk_reference)
+from sdm_ops.reference import (
+    product_key_topk_backward_reference,
+    product_key_topk_bruteforce,
+    product_key_topk_reference,
+)
 from tests.helpers import KERNEL_DEVICE, assert_close, on_kernels, requires_cuda, requires_kernels
 
 DTYPES = (torch.float32, torch.bfloat16)

@@ -8,8 +8,15 @@ import sdm_ops
 from sdm_ops import ops
 from sdm_ops import reference as ref
 from sdm_ops.kernels import bank_copy, recurrence_fwd
-from tests.helpers import (KERNEL_DEVICE, assert_close, make_sdm_inputs, on_kernels,
-                           requires_cuda, requires_kernels, to_float64)
+from tests.helpers import (
+    KERNEL_DEVICE,
+    assert_close,
+    make_sdm_inputs,
+    on_kernels,
+    requires_cuda,
+    requires_kernels,
+    to_float64,
+)
 
 pytestmark = requires_kernels
 

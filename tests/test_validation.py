@@ -8,9 +8,17 @@ import torch
 
 import sdm_ops
 from sdm_ops import reference as ref
-from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, make_sdm_inputs,
-                           on_kernels, requires_cuda, requires_kernels, requires_multi_gpu,
-                           to_float64)
+from tests.helpers import (
+    KERNEL_DEVICE,
+    assert_close,
+    make_packed_sdm_inputs,
+    make_sdm_inputs,
+    on_kernels,
+    requires_cuda,
+    requires_kernels,
+    requires_multi_gpu,
+    to_float64,
+)
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 

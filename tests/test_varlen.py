@@ -13,8 +13,13 @@ import torch
 
 import sdm_ops
 from sdm_ops import reference as ref
-from tests.helpers import (KERNEL_DEVICE, assert_close, make_packed_sdm_inputs, on_kernels,
-                           requires_kernels)
+from tests.helpers import (
+    KERNEL_DEVICE,
+    assert_close,
+    make_packed_sdm_inputs,
+    on_kernels,
+    requires_kernels,
+)
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 H, D, S, W, R = 2, 16, 9, 3, 2

@@ -15,8 +15,14 @@ import torch
 
 import sdm_ops
 from sdm_ops.reference import wy_solve_backward_reference, wy_solve_reference
-from tests.helpers import (HAS_CUDA, KERNEL_DEVICE, assert_close, on_kernels, requires_cuda,
-                           requires_kernels)
+from tests.helpers import (
+    HAS_CUDA,
+    KERNEL_DEVICE,
+    assert_close,
+    on_kernels,
+    requires_cuda,
+    requires_kernels,
+)
 
 CHUNK_SIZES = (1, 5, 16, 33, 64, 100, 128)
 N_CHUNKS = 512 if HAS_CUDA else 2  # the interpreter is slow

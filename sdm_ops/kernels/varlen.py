@@ -7,7 +7,8 @@ take the slots first_n .. first_n + k_n - 1, first_n = k_0 + ... + k_{n-1}. Slot
 n, j = s - first_n, starts at token cu[n] + j C and holds min(len_n - j C, C) tokens; slots no
 sequence takes hold (0, 0).
 
-Layout. ``cu_seqlens`` [N + 1] int32 or int64, any stride (read through ``stride_cu``); ``chunks`` [NC, 2] int64, NC = ceil(T / C) + N,
+Layout. ``cu_seqlens`` [N + 1] int32 or int64, any stride (read through ``stride_cu``);
+``chunks`` [NC, 2] int64, NC = ceil(T / C) + N,
 (first token, token count) per slot; ``seq_chunks`` [N + 1] int64, the first slot of each
 sequence and the end, clamped to NC (malformed offsets can ask for more slots than NC: the
 tables then stop at NC, and every chunk still lies inside the T tokens).

@@ -9,8 +9,15 @@ import torch
 from torch import Tensor
 
 from ..layout import FP8_MAX, INT4_MAX, QUANT_GROUP, ChunkWeights, Prepared
-from ._common import (_chunked, _entries, _gather_rows, _unchunked, compute_dtype, from_streams,
-                      to_streams)
+from ._common import (
+    _chunked,
+    _entries,
+    _gather_rows,
+    _unchunked,
+    compute_dtype,
+    from_streams,
+    to_streams,
+)
 from .wy import wy_solve_reference
 
 

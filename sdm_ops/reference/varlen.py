@@ -8,9 +8,13 @@ from torch import Tensor
 
 from ..layout import QUANT_GROUP, Prepared
 from ._common import compute_dtype
-from .chunked import (chunk_prepare_backward_reference, chunk_prepare_reference,
-                      recurrence_bwd_reference, recurrence_fwd_reference, sdm_chunked_reference)
-
+from .chunked import (
+    chunk_prepare_backward_reference,
+    chunk_prepare_reference,
+    recurrence_bwd_reference,
+    recurrence_fwd_reference,
+    sdm_chunked_reference,
+)
 
 # A packed batch is [1, T, H, ...] with sequence n on tokens cu_seqlens[n] : cu_seqlens[n + 1].
 # Chunks never straddle sequences, so the chunk axis of A, QK, X, QX ([1, H, NC, C, C]) holds
