@@ -39,6 +39,7 @@ def compare(base_runs: list[dict], head_runs: list[dict]) -> list[dict]:
     ``{"name", "title", "rows": [(case, header, format, base, head, ratio)]}``: the median of
     every timing over the rounds of each side, for the cases and columns both sides hold, and
     the column's format."""
+
     def medians(runs):
         values: dict[tuple, list[float]] = {}
         for run in runs:
@@ -59,8 +60,9 @@ def compare(base_runs: list[dict], head_runs: list[dict]) -> list[dict]:
                 key = (s["name"], row["case"], c["key"])
                 if key in base and key in head:
                     b, h = base[key], head[key]
-                    rows.append((row["case"], c["header"], c["format"], b, h,
-                                 h / b if b else float("nan")))
+                    rows.append(
+                        (row["case"], c["header"], c["format"], b, h, h / b if b else float("nan"))
+                    )
         if rows:
             out.append({"name": s["name"], "title": s["title"], "rows": rows})
     return out
@@ -72,8 +74,10 @@ def render(sections: list[dict], base_label: str, head_label: str) -> str:
     for s in sections:
         lines += ["", f"{s['name']}: {s['title']}"]
         width = max(26, *(len(row[0]) + 2 for row in s["rows"]))
-        head = (f"{'case':<{width}}{'figure':<16}{base_label[:13]:>14}{head_label[:13]:>14}"
-                f"{'head/base':>11}")
+        head = (
+            f"{'case':<{width}}{'figure':<16}{base_label[:13]:>14}{head_label[:13]:>14}"
+            f"{'head/base':>11}"
+        )
         lines += [head, "-" * len(head)]
         for case, header, fmt, b, h, ratio in s["rows"]:
             lines.append(f"{case:<{width}}{header:<16}{b:>14{fmt}}{h:>14{fmt}}{ratio:>11.3f}")
@@ -81,15 +85,17 @@ def render(sections: list[dict], base_label: str, head_label: str) -> str:
 
 
 def git(root: str, *args: str) -> str:
-    return subprocess.run(["git", "-C", root, *args], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", root, *args], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def export(root: str, rev: str, dest: str) -> None:
     """``git archive REV sdm_ops | tar -x -C dest``."""
     os.makedirs(dest)
-    archive = subprocess.Popen(["git", "-C", root, "archive", rev, "sdm_ops"],
-                               stdout=subprocess.PIPE)
+    archive = subprocess.Popen(
+        ["git", "-C", root, "archive", rev, "sdm_ops"], stdout=subprocess.PIPE
+    )
     subprocess.run(["tar", "-x", "-C", dest], stdin=archive.stdout, check=True)
     archive.stdout.close()
     if archive.wait():
@@ -101,13 +107,15 @@ def run_bench(copy: str, bench_args: list[str], out: str, log: str) -> dict:
     process runs from ``copy`` (``python -m`` puts the working directory first on sys.path)."""
     cmd = [sys.executable, "-m", "sdm_ops.bench", *bench_args, "--json", out]
     with open(log, "w") as f:
-        done = subprocess.run(cmd, check=False, cwd=copy, env=dict(os.environ, PYTHONPATH=copy),
-                              stdout=f)
+        done = subprocess.run(
+            cmd, check=False, cwd=copy, env=dict(os.environ, PYTHONPATH=copy), stdout=f
+        )
     if done.returncode:
         with open(log) as f:
             tail = f.read()[-3000:]
-        raise SystemExit(f"ab.py: the bench failed in {copy} (exit status {done.returncode}):"
-                         f"\n{tail}")
+        raise SystemExit(
+            f"ab.py: the bench failed in {copy} (exit status {done.returncode}):\n{tail}"
+        )
     with open(out) as f:
         results = json.load(f)
     path = os.path.realpath(results["sdm_ops_path"])
@@ -117,19 +125,38 @@ def run_bench(copy: str, bench_args: list[str], out: str, log: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/ab.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, metavar="REV",
-                   help="the revision to compare against (a commit, branch or tag)")
-    p.add_argument("--head", metavar="REV",
-                   help="the revision compared (default: the working tree's sdm_ops)")
-    p.add_argument("--rounds", type=int, default=2, metavar="N",
-                   help="bench runs of each side, interleaved (default 2)")
-    p.add_argument("--own-bench", action="store_true",
-                   help="run each revision's own bench instead of the head's on both")
-    p.add_argument("--out", metavar="DIR",
-                   help="keep every run's results JSON and stdout log in DIR (default: a "
-                        "temporary folder, removed after)")
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/ab.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--base",
+        required=True,
+        metavar="REV",
+        help="the revision to compare against (a commit, branch or tag)",
+    )
+    p.add_argument(
+        "--head", metavar="REV", help="the revision compared (default: the working tree's sdm_ops)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        metavar="N",
+        help="bench runs of each side, interleaved (default 2)",
+    )
+    p.add_argument(
+        "--own-bench",
+        action="store_true",
+        help="run each revision's own bench instead of the head's on both",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="keep every run's results JSON and stdout log in DIR (default: a "
+        "temporary folder, removed after)",
+    )
     return p
 
 
@@ -153,23 +180,32 @@ def main(argv: list[str] | None = None) -> int:
             export(root, args.head, copies["head"])
         if not args.own_bench:
             for name in HARNESS:
-                shutil.copy(os.path.join(copies["head"], "sdm_ops", name),
-                            os.path.join(copies["base"], "sdm_ops", name))
+                shutil.copy(
+                    os.path.join(copies["head"], "sdm_ops", name),
+                    os.path.join(copies["base"], "sdm_ops", name),
+                )
         runs: dict[str, list[dict]] = {"base": [], "head": []}
         start = time.perf_counter()
         for r in range(args.rounds):
             for side in ("base", "head") if r % 2 == 0 else ("head", "base"):
-                print(f"ab: round {r + 1}/{args.rounds}, {labels[side]} "
-                      f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"ab: round {r + 1}/{args.rounds}, {labels[side]} "
+                    f"({time.perf_counter() - start:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 stem = os.path.join(out, f"{side}-{r + 1}")
-                runs[side].append(run_bench(copies[side], bench_args, stem + ".json",
-                                            stem + ".log"))
+                runs[side].append(
+                    run_bench(copies[side], bench_args, stem + ".json", stem + ".log")
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     first = runs["head"][0]
-    print(f"{first['device']}: torch {first['torch']}, triton {first['triton']}; "
-          f"{labels['base']} = {git(root, 'rev-parse', '--short', args.base)}, "
-          f"{labels['head']}; median of {args.rounds} round(s) each")
+    print(
+        f"{first['device']}: torch {first['torch']}, triton {first['triton']}; "
+        f"{labels['base']} = {git(root, 'rev-parse', '--short', args.base)}, "
+        f"{labels['head']}; median of {args.rounds} round(s) each"
+    )
     sections = compare(runs["base"], runs["head"])
     if not sections:
         print("no timing that both sides measured (the sections asked take none?)")

@@ -17,8 +17,11 @@ def provenance(results: dict) -> str:
     """One line: the device, the versions, the workload and the copy bandwidth."""
     w = results.get("workload", {})
     shape = " ".join(f"{k}={w[k]}" for k in ("B", "T", "H", "D", "S", "W", "R") if k in w)
-    parts = [results.get("device", "unknown device"),
-             f"torch {results.get('torch', '?')}", f"triton {results.get('triton', '?')}"]
+    parts = [
+        results.get("device", "unknown device"),
+        f"torch {results.get('torch', '?')}",
+        f"triton {results.get('triton', '?')}",
+    ]
     if shape:
         parts.append(f"{shape} chunk {w.get('chunk_size', '?')}")
     bandwidth = results.get("copy_bandwidth_bytes_per_s")
@@ -66,11 +69,16 @@ def markdown(results: dict, sections: list[str] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python benchmarks/table.py",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/table.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("results", help="a JSON file written by python -m sdm_ops.bench --json")
-    parser.add_argument("--section", action="append", metavar="NAME",
-                        help="only this section (repeat for more; default: every section)")
+    parser.add_argument(
+        "--section",
+        action="append",
+        metavar="NAME",
+        help="only this section (repeat for more; default: every section)",
+    )
     args = parser.parse_args(argv)
     with open(args.results) as f:
         results = json.load(f)

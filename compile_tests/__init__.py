@@ -57,8 +57,10 @@ def kernels_defined_in(kernels, codes: list[str]) -> list[str]:
 def assert_kernels_in_code(kernels: list[str], codes: list[str], what: str) -> None:
     """Inductor's output code defines each kernel (``kernels_defined_in``)."""
     missing = sorted(set(kernels) - set(kernels_defined_in(kernels, codes)))
-    assert not missing, (f"{what}: Inductor's output code ({len(codes)} module(s)) lacks the "
-                         f"Triton kernels {missing}; expected all of {kernels}")
+    assert not missing, (
+        f"{what}: Inductor's output code ({len(codes)} module(s)) lacks the "
+        f"Triton kernels {missing}; expected all of {kernels}"
+    )
 
 
 @pytest.fixture(autouse=True)

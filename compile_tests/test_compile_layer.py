@@ -13,14 +13,22 @@ from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
 from sdm_ops.nn import SparseDeltaMemory
 from tests.helpers import assert_close
 
-RTOL = 1e-4     # compiled against eager: Inductor fuses the projections differently
+RTOL = 1e-4  # compiled against eager: Inductor fuses the projections differently
 B, D_MODEL, H, D = 2, 32, 2, 16
 
 
 def make_layer(decay: bool = True) -> SparseDeltaMemory:
     torch.manual_seed(0)
-    layer = SparseDeltaMemory(D_MODEL, heads=H, head_dim=D, factors=(4, 8), read_topk=3,
-                              write_topk=2, use_decay=decay, chunk_size=16)
+    layer = SparseDeltaMemory(
+        D_MODEL,
+        heads=H,
+        head_dim=D,
+        factors=(4, 8),
+        read_topk=3,
+        write_topk=2,
+        use_decay=decay,
+        chunk_size=16,
+    )
     with torch.no_grad():
         layer.bank.normal_()
     return layer
@@ -52,7 +60,7 @@ def test_fullgraph_forward_and_backward_match_eager(decay, with_state):
         loss = fn(layer, xs, g, st)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-        assert (layer.bank.grad is None) == with_state   # a given state replaces the bank
+        assert (layer.bank.grad is None) == with_state  # a given state replaces the bank
         grads["x"] = xs.grad
         if st is not None:
             grads["state"] = st.grad
@@ -72,15 +80,18 @@ def test_dynamic_sequence_lengths_compile_once_and_match_eager():
         x = make_x(T, seed=T)
         with torch.no_grad():
             assert_close(compiled(x), layer(x), rtol=RTOL, name=f"y (T={T})")
-    assert counter.frame_count == 1, (f"compiled {counter.frame_count} times over T = 20, 33, "
-                                      f"47; dynamic shapes should compile once")
+    assert counter.frame_count == 1, (
+        f"compiled {counter.frame_count} times over T = 20, 33, "
+        f"47; dynamic shapes should compile once"
+    )
 
 
 def test_explain_finds_no_graph_break():
     layer = make_layer()
     explanation = torch._dynamo.explain(layer)(make_x(25, seed=3))
     assert explanation.graph_break_count == 0, (
-        f"{explanation.graph_break_count} graph break(s): {explanation.break_reasons}")
+        f"{explanation.graph_break_count} graph break(s): {explanation.break_reasons}"
+    )
     assert explanation.graph_count == 1
 
 
@@ -90,7 +101,7 @@ def test_compiled_step_matches_eager():
     x = make_x(6, seed=4)
     want_state, got_state = layer.initial_state(B), layer.initial_state(B)
     for t in range(x.shape[1]):
-        want = layer.step_(x[:, t:t + 1], want_state)
-        got = compiled(x[:, t:t + 1], got_state)
+        want = layer.step_(x[:, t : t + 1], want_state)
+        got = compiled(x[:, t : t + 1], got_state)
         assert_close(got, want, rtol=RTOL, name=f"y of step_ (t={t})")
     assert_close(got_state, want_state, rtol=RTOL, name="state after step_")

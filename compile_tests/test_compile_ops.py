@@ -18,7 +18,7 @@ from compile_tests import (
 )
 from tests.helpers import assert_close, make_raw, make_wy_inputs, requires_cuda
 
-RTOL = 1e-5     # compiled against eager: float32 rounding
+RTOL = 1e-5  # compiled against eager: float32 rounding
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 FACTORS, K = (8, 6), 5
 
@@ -36,8 +36,11 @@ def make_inputs(n: int, rows: int, device: str, seed: int = 0):
     A, beta, QK = make_wy_inputs(n, 16, seed=seed, device=device)
     raw = make_raw((rows, 2), FACTORS, seed=seed + 1, device=device)
     g = torch.Generator().manual_seed(seed + 2)
-    weights = (torch.randn(n, 16, 16, generator=g), torch.randn(n, 16, 16, generator=g),
-               torch.randn(rows, 2, K, generator=g))
+    weights = (
+        torch.randn(n, 16, 16, generator=g),
+        torch.randn(n, 16, 16, generator=g),
+        torch.randn(rows, 2, K, generator=g),
+    )
     return (A, beta, QK, raw), tuple(w.to(device) for w in weights)
 
 
@@ -77,19 +80,26 @@ def test_dynamic_leading_sizes_compile_once(device):
     for n, rows in ((3, 4), (6, 7), (9, 10)):
         leaves, weights = make_inputs(n, rows, device, seed=n)
         got = run_with_grads(compiled, leaves, weights)
-        assert_same_results(got, run_with_grads(wy_and_topk, leaves, weights),
-                            f"N={n}, rows={rows}")
-    assert counter.frame_count == 1, (f"compiled {counter.frame_count} times over three "
-                                      f"leading sizes; dynamic shapes should compile once")
+        assert_same_results(
+            got, run_with_grads(wy_and_topk, leaves, weights), f"N={n}, rows={rows}"
+        )
+    assert counter.frame_count == 1, (
+        f"compiled {counter.frame_count} times over three "
+        f"leading sizes; dynamic shapes should compile once"
+    )
 
 
 @requires_cuda
 def test_inductor_code_holds_the_operators_triton_kernels():
     from sdm_ops.kernels import product_key_topk as topk_kernels
     from sdm_ops.kernels import wy_solve as wy_kernels
-    kernels = (launched_kernels(wy_kernels.wy_solve_fwd) + launched_kernels(wy_kernels.wy_solve_bwd)
-               + launched_kernels(topk_kernels.product_key_topk_fwd)
-               + launched_kernels(topk_kernels.product_key_topk_bwd))
+
+    kernels = (
+        launched_kernels(wy_kernels.wy_solve_fwd)
+        + launched_kernels(wy_kernels.wy_solve_bwd)
+        + launched_kernels(topk_kernels.product_key_topk_fwd)
+        + launched_kernels(topk_kernels.product_key_topk_bwd)
+    )
     leaves, weights = make_inputs(3, 4, "cuda")
     compiled = torch.compile(wy_and_topk, fullgraph=True)
     _, codes = run_and_get_code(run_with_grads, compiled, leaves, weights)
@@ -99,8 +109,10 @@ def test_inductor_code_holds_the_operators_triton_kernels():
 def test_kernel_lookup_counts_definitions_not_mentions():
     """What the CUDA tests take for a kernel in Inductor's code: its spliced definition, under
     its own name or TORCHINDUCTOR_UNIQUE_USER_KERNEL_NAMES's; a comment naming it is not one."""
-    code = ("@triton.jit\ndef _walk_kernel(x):\n    # out is left to _out_kernel\n"
-            "    pass\n@triton.jit\ndef _sort_kernel_3(x):\n    pass\n")
+    code = (
+        "@triton.jit\ndef _walk_kernel(x):\n    # out is left to _out_kernel\n"
+        "    pass\n@triton.jit\ndef _sort_kernel_3(x):\n    pass\n"
+    )
     names = ["_out_kernel", "_walk_kernel", "_sort_kernel", "_walk"]
     assert kernels_defined_in(names, [code]) == ["_sort_kernel", "_walk_kernel"]
     with pytest.raises(AssertionError, match="_out_kernel"):
@@ -111,8 +123,14 @@ def test_kernel_discovery_finds_forward_and_backward_kernels():
     """The names the CUDA test looks for exist (checked here too, without a GPU)."""
     from sdm_ops.kernels import product_key_topk as topk_kernels
     from sdm_ops.kernels import wy_solve as wy_kernels
-    for launcher in (wy_kernels.wy_solve_fwd, wy_kernels.wy_solve_bwd,
-                     topk_kernels.product_key_topk_fwd, topk_kernels.product_key_topk_bwd):
+
+    for launcher in (
+        wy_kernels.wy_solve_fwd,
+        wy_kernels.wy_solve_bwd,
+        topk_kernels.product_key_topk_fwd,
+        topk_kernels.product_key_topk_bwd,
+    ):
         assert launched_kernels(launcher)
     assert set(launched_kernels(wy_kernels)) == set(
-        launched_kernels(wy_kernels.wy_solve_fwd) + launched_kernels(wy_kernels.wy_solve_bwd))
+        launched_kernels(wy_kernels.wy_solve_fwd) + launched_kernels(wy_kernels.wy_solve_bwd)
+    )

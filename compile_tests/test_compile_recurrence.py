@@ -21,9 +21,9 @@ from compile_tests import (
 )
 from tests.helpers import assert_close, capture, make_sdm_inputs, requires_cuda
 
-RTOL = 1e-5     # compiled against eager: float32 rounding
+RTOL = 1e-5  # compiled against eager: float32 rounding
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
-B, H, D, S, W, R = 1, 2, 16, 32, 3, 2      # B * H = 2 streams
+B, H, D, S, W, R = 1, 2, 16, 32, 3, 2  # B * H = 2 streams
 CHUNK = 16
 
 
@@ -33,19 +33,22 @@ def sdm_inputs(T: int, device: str, seed: int, **kwargs) -> dict:
 
 
 def run_sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
-    return sdm_ops.sparse_delta_memory(v, beta, write_idx, write_w, read_idx, read_w, bank,
-                                       decay, chunk_size=CHUNK)
+    return sdm_ops.sparse_delta_memory(
+        v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size=CHUNK
+    )
 
 
 def run_sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None):
-    return sdm_ops.sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank,
-                                        decay, chunk_size=CHUNK)
+    return sdm_ops.sparse_delta_memory_(
+        v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size=CHUNK
+    )
 
 
 def seq_args(a: dict) -> tuple:
     """The inputs of ``run_sdm_inplace`` after the bank, from ``make_sdm_inputs``' dict."""
-    return tuple(a.get(k) for k in ("v", "beta", "write_idx", "write_w", "read_idx", "read_w",
-                                    "decay"))
+    return tuple(
+        a.get(k) for k in ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -58,8 +61,10 @@ def test_dynamic_sequence_lengths_compile_once_and_match_eager(device):
         want_out, want_bank = run_sdm(**a)
         assert_close(out, want_out, rtol=RTOL, name=f"out (T={T})")
         assert_close(bank, want_bank, rtol=RTOL, name=f"bank (T={T})")
-    assert counter.frame_count == 1, (f"compiled {counter.frame_count} times over T = 40, 57, "
-                                      f"90; dynamic shapes should compile once")
+    assert counter.frame_count == 1, (
+        f"compiled {counter.frame_count} times over T = 40, 57, "
+        f"90; dynamic shapes should compile once"
+    )
 
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
@@ -86,8 +91,10 @@ def test_dynamic_lengths_forward_and_backward_compile_once_and_match_eager(devic
             grads.append(torch.autograd.grad(loss, [leaves[k] for k in FLOATS]))
         for name, got, want in zip(FLOATS, *grads):
             assert_close(got, want, rtol=RTOL, name=f"d{name} (T={T})")
-    assert counter.frame_count == 1, (f"compiled {counter.frame_count} times over T = 40, 57, "
-                                      f"90 with gradients; dynamic shapes should compile once")
+    assert counter.frame_count == 1, (
+        f"compiled {counter.frame_count} times over T = 40, 57, "
+        f"90 with gradients; dynamic shapes should compile once"
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -110,7 +117,7 @@ def test_compiled_out_of_range_indices_do_not_raise_and_count_as_padding(device)
         bad[name], padded[name] = a[name].clone(), a[name].clone()
         bad[name][pos] = value
         padded[name][pos] = -1
-    with pytest.raises(ValueError, match="write_idx"):      # eager mode checks the indices
+    with pytest.raises(ValueError, match="write_idx"):  # eager mode checks the indices
         run_sdm(**bad)
     out, bank = torch.compile(run_sdm, fullgraph=True)(**bad)
     want_out, want_bank = run_sdm(**padded)
@@ -120,9 +127,10 @@ def test_compiled_out_of_range_indices_do_not_raise_and_count_as_padding(device)
 
 @requires_cuda
 def test_cuda_graph_decode_steps_replay_equal_eager_steps():
-    steps, batch, heads = 6, 2, 2                   # B * H = 4 streams, T = 1 per step
-    a = make_sdm_inputs(batch, steps, heads, D, S, W, R, seed=3, decay=True, shared=False,
-                        device="cuda")
+    steps, batch, heads = 6, 2, 2  # B * H = 4 streams, T = 1 per step
+    a = make_sdm_inputs(
+        batch, steps, heads, D, S, W, R, seed=3, decay=True, shared=False, device="cuda"
+    )
     tokens = seq_args(a)
     static_in = tuple(t[:, :1].clone() for t in tokens)
     bank = a["bank"].clone()
@@ -131,26 +139,30 @@ def test_cuda_graph_decode_steps_replay_equal_eager_steps():
         return sdm_ops.sparse_delta_memory_(*inputs[:6], bank_, *inputs[6:])
 
     scratch = bank.clone()
-    graph, static_out = capture(lambda: step(bank, static_in),
-                                warm_up=lambda: step(scratch, static_in))
+    graph, static_out = capture(
+        lambda: step(bank, static_in), warm_up=lambda: step(scratch, static_in)
+    )
 
     eager_bank = a["bank"].clone()
     for t in range(steps):
         for buf, src in zip(static_in, tokens):
-            buf.copy_(src[:, t:t + 1])
+            buf.copy_(src[:, t : t + 1])
         graph.replay()
-        want = step(eager_bank, tuple(src[:, t:t + 1] for src in tokens))
+        want = step(eager_bank, tuple(src[:, t : t + 1] for src in tokens))
         torch.cuda.synchronize()
-        torch.testing.assert_close(static_out, want, rtol=0, atol=0,
-                                   msg=lambda m: f"step {t}: out differs: {m}")
-        torch.testing.assert_close(bank, eager_bank, rtol=0, atol=0,
-                                   msg=lambda m: f"step {t}: bank differs: {m}")
+        torch.testing.assert_close(
+            static_out, want, rtol=0, atol=0, msg=lambda m: f"step {t}: out differs: {m}"
+        )
+        torch.testing.assert_close(
+            bank, eager_bank, rtol=0, atol=0, msg=lambda m: f"step {t}: bank differs: {m}"
+        )
 
 
 @requires_cuda
 @pytest.mark.parametrize("beside", [True, False], ids=["copy_beside", "copy_in_order"])
-def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy(monkeypatch,
-                                                                                   beside):
+def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy(
+    monkeypatch, beside
+):
     # Without autograd the forward copies the bank on a second stream, beside phase 1 and the
     # WY solve, and joins it before phase 2 (or, for a bank large against phase 1's work, in
     # order: the bound is raised or lowered here to take either path). Its out and bank must
@@ -159,7 +171,8 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
     # CUDA graph on new inputs (the fork and the join captured). The bank is large enough
     # (64 MiB) for the copy to outlast phase 1 at this T.
     from sdm_ops import ops
-    monkeypatch.setattr(ops, "_COPY_BESIDE_BYTES", 2 ** 40 if beside else 0)
+
+    monkeypatch.setattr(ops, "_COPY_BESIDE_BYTES", 2**40 if beside else 0)
     sides = []
     copy_beside = ops._copy_beside
 
@@ -167,6 +180,7 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
         bank_out, side = copy_beside(*args)
         sides.append(side)
         return bank_out, side
+
     monkeypatch.setattr(ops, "_copy_beside", spy)
     shape = dict(B=2, T=200, H=2, D=64, S=65536, W=8, R=8, decay=True, device="cuda")
     rest = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
@@ -200,29 +214,32 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
         want = in_place_on_copy(b)
         torch.cuda.synchronize()
         for name, g, w in zip(("out", "bank"), static_out, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=0,
-                                       msg=lambda m: f"replay {seed}: {name}: {m}")
+            torch.testing.assert_close(
+                g, w, rtol=0, atol=0, msg=lambda m: f"replay {seed}: {name}: {m}"
+            )
     assert sides and all((side is not None) == beside for side in sides), sides
 
 
 @requires_cuda
 def test_inductor_code_holds_the_recurrence_triton_kernels(monkeypatch):
     from sdm_ops.kernels import chunk_prepare, decode_step, recurrence_fwd, wy_solve
+
     # The reference shape's path, with _out_kernel, whatever the device's SM count (at this
     # test's few streams the walk would form out itself: recurrence_fwd.walk_forms_out).
     monkeypatch.setattr(recurrence_fwd, "_WALK_SMS", 0)
-    kernels = (launched_kernels(chunk_prepare.chunk_prepare)
-               + launched_kernels(wy_solve.wy_solve_fwd)
-               + launched_kernels(recurrence_fwd.recurrence_fwd))
+    kernels = (
+        launched_kernels(chunk_prepare.chunk_prepare)
+        + launched_kernels(wy_solve.wy_solve_fwd)
+        + launched_kernels(recurrence_fwd.recurrence_fwd)
+    )
     assert {"_chunk_prepare_kernel", "_recurrence_fwd_kernel"} <= set(kernels)
     a = sdm_inputs(40, "cuda", seed=4)
     compiled = torch.compile(run_sdm, fullgraph=True)
     _, codes = run_and_get_code(compiled, **a)
     assert_kernels_in_code(kernels, codes, "sparse_delta_memory")
     bank = a["bank"].clone()
-    _, codes = run_and_get_code(torch.compile(run_sdm_inplace, fullgraph=True), bank,
-                                *seq_args(a))
+    _, codes = run_and_get_code(torch.compile(run_sdm_inplace, fullgraph=True), bank, *seq_args(a))
     assert_kernels_in_code(kernels, codes, "sparse_delta_memory_")
-    step = tuple(None if t is None else t[:, :1] for t in seq_args(a))   # a decode step
+    step = tuple(None if t is None else t[:, :1] for t in seq_args(a))  # a decode step
     _, codes = run_and_get_code(torch.compile(run_sdm_inplace, fullgraph=True), bank, *step)
     assert_kernels_in_code(launched_kernels(decode_step.decode_step), codes, "a decode step")

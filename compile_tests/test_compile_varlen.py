@@ -28,11 +28,19 @@ def packed(lengths, device, seed):
     return a, a.pop("cu_seqlens")
 
 
-def sdm_loss(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, cu_seqlens, g_out,
-             g_bank):
-    out, new_bank = sdm_ops.sparse_delta_memory(v, beta, write_idx, write_w, read_idx, read_w,
-                                                bank, decay, chunk_size=CHUNK,
-                                                cu_seqlens=cu_seqlens)
+def sdm_loss(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, cu_seqlens, g_out, g_bank):
+    out, new_bank = sdm_ops.sparse_delta_memory(
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size=CHUNK,
+        cu_seqlens=cu_seqlens,
+    )
     return (out * g_out).sum() + (new_bank * g_bank).sum()
 
 
@@ -52,14 +60,18 @@ def test_new_offsets_reuse_the_compiled_graph_forward_and_backward(device):
             grads.append(torch.autograd.grad(loss, [leaves[k] for k in FLOATS]))
         for name, got, want in zip(FLOATS, *grads):
             assert_close(got, want, rtol=RTOL, name=f"d{name} (lengths {lengths})")
-        want = ref.sdm_varlen_reference(**{k: t.cpu().double() for k, t in a.items()},
-                                        cu_seqlens=cu.cpu(), chunk_size=CHUNK)
+        want = ref.sdm_varlen_reference(
+            **{k: t.cpu().double() for k, t in a.items()}, cu_seqlens=cu.cpu(), chunk_size=CHUNK
+        )
         out, bank = torch.compile(sdm_ops.sparse_delta_memory, fullgraph=True)(
-            **a, chunk_size=CHUNK, cu_seqlens=cu)
+            **a, chunk_size=CHUNK, cu_seqlens=cu
+        )
         assert_close(out, want[0], rtol=RTOL, name=f"out (lengths {lengths})")
         assert_close(bank, want[1], rtol=RTOL, name=f"bank (lengths {lengths})")
-    assert counter.frame_count == 1, (f"compiled {counter.frame_count} times for three packings "
-                                      f"of the same shapes; cu_seqlens values must not recompile")
+    assert counter.frame_count == 1, (
+        f"compiled {counter.frame_count} times for three packings "
+        f"of the same shapes; cu_seqlens values must not recompile"
+    )
 
 
 @requires_cuda
@@ -71,8 +83,9 @@ def test_cuda_graph_with_static_cu_seqlens_replays_new_offsets():
     bank = a["bank"].clone()
 
     def step():
-        return sdm_ops.sparse_delta_memory_(bank=bank, **static, cu_seqlens=static_cu,
-                                            chunk_size=CHUNK)
+        return sdm_ops.sparse_delta_memory_(
+            bank=bank, **static, cu_seqlens=static_cu, chunk_size=CHUNK
+        )
 
     graph, static_out = capture(step)
     for i, lengths in enumerate(PACKINGS):
@@ -83,10 +96,17 @@ def test_cuda_graph_with_static_cu_seqlens_replays_new_offsets():
         bank.copy_(b["bank"])
         graph.replay()
         want_bank = b["bank"].clone()
-        want_out = sdm_ops.sparse_delta_memory_(bank=want_bank, **{k: b[k] for k in rest},
-                                                cu_seqlens=new_cu, chunk_size=CHUNK)
+        want_out = sdm_ops.sparse_delta_memory_(
+            bank=want_bank, **{k: b[k] for k in rest}, cu_seqlens=new_cu, chunk_size=CHUNK
+        )
         torch.cuda.synchronize()
-        torch.testing.assert_close(static_out, want_out, rtol=0, atol=0,
-                                   msg=lambda m: f"lengths {lengths}: out differs: {m}")
-        torch.testing.assert_close(bank, want_bank, rtol=0, atol=0,
-                                   msg=lambda m: f"lengths {lengths}: bank differs: {m}")
+        torch.testing.assert_close(
+            static_out,
+            want_out,
+            rtol=0,
+            atol=0,
+            msg=lambda m: f"lengths {lengths}: out differs: {m}",
+        )
+        torch.testing.assert_close(
+            bank, want_bank, rtol=0, atol=0, msg=lambda m: f"lengths {lengths}: bank differs: {m}"
+        )

@@ -28,8 +28,8 @@ from compile_tests import (
 from sdm_ops.nn import SparseDeltaMemory
 from tests.helpers import assert_close, capture, kernel_modules, requires_cuda, requires_multi_gpu
 
-RTOL = 1e-4         # compiled or captured against eager, after SGD steps: float32 rounding
-DDP_RTOL = 1e-5     # two GPUs against one: float32 reduction order only
+RTOL = 1e-4  # compiled or captured against eager, after SGD steps: float32 rounding
+DDP_RTOL = 1e-5  # two GPUs against one: float32 reduction order only
 B, T, D_MODEL = 2, 24, 32
 LR = 0.1
 
@@ -41,8 +41,16 @@ class TinyModel(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(D_MODEL, D_MODEL)
-        self.memory = SparseDeltaMemory(D_MODEL, heads=2, head_dim=16, factors=(4, 8),
-                                        read_topk=3, write_topk=2, use_decay=True, chunk_size=16)
+        self.memory = SparseDeltaMemory(
+            D_MODEL,
+            heads=2,
+            head_dim=16,
+            factors=(4, 8),
+            read_topk=3,
+            write_topk=2,
+            use_decay=True,
+            chunk_size=16,
+        )
         self.head = nn.Linear(D_MODEL, D_MODEL)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -63,8 +71,10 @@ def make_model(seed: int = 0) -> TinyModel:
 def make_batch(step: int, batch: int = B) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, target) [batch, T, D_MODEL] on the CPU, fixed by ``step``."""
     g = torch.Generator().manual_seed(1000 + step)
-    return (torch.randn(batch, T, D_MODEL, generator=g),
-            torch.randn(batch, T, D_MODEL, generator=g))
+    return (
+        torch.randn(batch, T, D_MODEL, generator=g),
+        torch.randn(batch, T, D_MODEL, generator=g),
+    )
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -78,7 +88,7 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @requires_cuda
 def test_reduce_overhead_training_steps_replay_cuda_graphs_and_match_eager():
-    steps = 5               # step 1 warms up, step 2 records, steps 3-5 replay
+    steps = 5  # step 1 warms up, step 2 records, steps 3-5 replay
     counters.clear()
     model = make_model().cuda()
     eager = copy.deepcopy(model)
@@ -90,9 +100,9 @@ def test_reduce_overhead_training_steps_replay_cuda_graphs_and_match_eager():
         x, y = (t.cuda() for t in make_batch(step))
         torch.compiler.cudagraph_mark_step_begin()
         loss = compiled(x, y)
-        got = loss.item()           # read before the next replay reuses the output's memory
+        got = loss.item()  # read before the next replay reuses the output's memory
         loss.backward()
-        opt.step()                  # outside the compiled region; parameters stay in place
+        opt.step()  # outside the compiled region; parameters stay in place
         opt.zero_grad(set_to_none=True)
 
         want = eager(x, y)
@@ -105,18 +115,22 @@ def test_reduce_overhead_training_steps_replay_cuda_graphs_and_match_eager():
     for name, want in want_params.items():
         assert_close(got_params[name], want, rtol=RTOL, name=f"{name} after {steps} steps")
     assert not torch.equal(got_params["memory.bank"], initial["memory.bank"]), (
-        "SGD left the bank unchanged: no gradient reached it")
+        "SGD left the bank unchanged: no gradient reached it"
+    )
 
     skips = counters["inductor"]["cudagraph_skips"]
-    assert skips == 0, (f"Inductor skipped CUDA graphs {skips} time(s) (the reason is logged "
-                        f"by torch._inductor's cudagraphs logger): {dict(counters['inductor'])}")
+    assert skips == 0, (
+        f"Inductor skipped CUDA graphs {skips} time(s) (the reason is logged "
+        f"by torch._inductor's cudagraphs logger): {dict(counters['inductor'])}"
+    )
     from torch._inductor import cudagraph_trees
-    manager = cudagraph_trees.get_manager(torch.cuda.current_device(),
-                                          create_if_none_exists=False)
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None, "reduce-overhead created no CUDA graph tree"
-    recorded = manager.new_graph_id().id    # graph ids count up from 0 as graphs are recorded
-    assert recorded >= 2, (f"{recorded} CUDA graph(s) recorded; expected the forward's and the "
-                           f"backward's")
+    recorded = manager.new_graph_id().id  # graph ids count up from 0 as graphs are recorded
+    assert recorded >= 2, (
+        f"{recorded} CUDA graph(s) recorded; expected the forward's and the backward's"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -131,19 +145,20 @@ def test_cuda_graph_of_layer_decode_steps_replays_equal_eager_steps():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(B, prompt + steps, D_MODEL, generator=g).cuda()
     with torch.no_grad():
-        _, state = layer(x[:, :prompt], return_state=True)     # [B, H, S, D], contiguous
+        _, state = layer(x[:, :prompt], return_state=True)  # [B, H, S, D], contiguous
     start = state.clone()
     eager_state = state.clone()
-    static_x = x[:, prompt:prompt + 1].clone()
+    static_x = x[:, prompt : prompt + 1].clone()
 
-    scratch = state.clone()         # the warm-up calls' state
-    graph, static_y = capture(lambda: layer.step_(static_x, state),
-                              warm_up=lambda: layer.step_(static_x, scratch))
+    scratch = state.clone()  # the warm-up calls' state
+    graph, static_y = capture(
+        lambda: layer.step_(static_x, state), warm_up=lambda: layer.step_(static_x, scratch)
+    )
     torch.cuda.synchronize()
     assert torch.equal(state, start), "capturing ran the step: the state changed"
 
     for t in range(steps):
-        token = x[:, prompt + t:prompt + t + 1]
+        token = x[:, prompt + t : prompt + t + 1]
         static_x.copy_(token)
         graph.replay()
         want = layer.step_(token, eager_state)
@@ -175,6 +190,7 @@ def layer_loss(layer: SparseDeltaMemory, x: torch.Tensor, g: torch.Tensor) -> to
 @requires_cuda
 def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
     from expecttest import assert_expected_inline  # here: if missing, only this test fails
+
     candidates = sdm_kernel_names()
     layer = make_model().memory.cuda()
     x, g = (t.cuda() for t in make_batch(0))
@@ -192,11 +208,14 @@ def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
     # dense kernel for heavy chunks), the WY solve's two kernels, the first-write table, the
     # copy of the bank rows no chunk writes and phase 2. Backward: the bank gradient's copy,
     # phase 2's two kernels, the WY solve's two, phase 1's three, product-key top-k's.
-    assert_expected_inline(" ".join(found), """\
+    assert_expected_inline(
+        " ".join(found),
+        """\
 _bank_copy_kernel _bwd_panel_kernel _bwd_row_kernel _chunk_pairs_bwd_kernel _chunk_pairs_kernel \
 _chunk_prepare_bwd_kernel _chunk_prepare_kernel _chunk_sort_bwd_kernel _chunk_sort_kernel \
 _dual_matmul_bwd_kernel _first_writes_kernel _fwd_diag_kernel _fwd_panel_kernel \
-_product_key_topk_bwd _product_key_topk_fwd _recurrence_bwd_kernel _recurrence_fwd_kernel""")
+_product_key_topk_bwd _product_key_topk_fwd _recurrence_bwd_kernel _recurrence_fwd_kernel""",
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -206,8 +225,9 @@ _product_key_topk_bwd _product_key_topk_fwd _recurrence_bwd_kernel _recurrence_f
 DDP_BATCH, DDP_STEPS = 4, 4
 
 
-def train_steps(model: nn.Module, steps: int, device: torch.device, rank: int = 0,
-                world_size: int = 1) -> list[float]:
+def train_steps(
+    model: nn.Module, steps: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> list[float]:
     """SGD steps on rank ``rank``'s share of each global batch ``make_batch(step,
     DDP_BATCH)``; returns the global mean loss of every step (all-reduced over ranks when
     distributed)."""
@@ -215,8 +235,9 @@ def train_steps(model: nn.Module, steps: int, device: torch.device, rank: int = 
     share = DDP_BATCH // world_size
     losses = []
     for step in range(steps):
-        x, y = (t[rank * share:(rank + 1) * share].to(device)
-                for t in make_batch(step, DDP_BATCH))
+        x, y = (
+            t[rank * share : (rank + 1) * share].to(device) for t in make_batch(step, DDP_BATCH)
+        )
         loss = model(x, y)
         loss.backward()
         opt.step()
@@ -228,8 +249,9 @@ def train_steps(model: nn.Module, steps: int, device: torch.device, rank: int = 
     return losses
 
 
-def ddp_worker(rank: int, world_size: int, port: int, backend: str, device_type: str,
-               out_path: str) -> None:
+def ddp_worker(
+    rank: int, world_size: int, port: int, backend: str, device_type: str, out_path: str
+) -> None:
     """One rank (``torch.multiprocessing.spawn``'s target, hence module level): train a DDP
     copy of ``make_model()`` for DDP_STEPS steps; rank 0 writes the losses and its final
     parameters to ``out_path``. Only MASTER_ADDR / MASTER_PORT are set; every other variable
@@ -241,12 +263,14 @@ def ddp_worker(rank: int, world_size: int, port: int, backend: str, device_type:
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    torch.distributed.init_process_group(backend, rank=rank, world_size=world_size,
-                                         timeout=timedelta(seconds=120))
+    torch.distributed.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     try:
         model = make_model().to(device)
         ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rank] if device_type == "cuda" else None)
+            model, device_ids=[rank] if device_type == "cuda" else None
+        )
         losses = train_steps(ddp, DDP_STEPS, device, rank, world_size)
         if rank == 0:
             torch.save({"losses": losses, "params": params_of(model)}, out_path)
@@ -261,8 +285,11 @@ def free_port() -> int:
 
 
 def run_ddp(backend: str, device_type: str, out_path: str, world_size: int = 2) -> dict:
-    torch.multiprocessing.spawn(ddp_worker, nprocs=world_size,
-                                args=(world_size, free_port(), backend, device_type, out_path))
+    torch.multiprocessing.spawn(
+        ddp_worker,
+        nprocs=world_size,
+        args=(world_size, free_port(), backend, device_type, out_path),
+    )
     return torch.load(out_path)
 
 
@@ -276,8 +303,12 @@ def test_ddp_on_two_gpus_matches_one_gpu_on_the_whole_batch(tmp_path):
     assert len(got["losses"]) == DDP_STEPS
     assert want_losses[-1] != want_losses[0], "the loss did not move: SGD did nothing"
     for step, (g, w) in enumerate(zip(got["losses"], want_losses)):
-        assert_close(torch.tensor(g), torch.tensor(w), rtol=DDP_RTOL,
-                     name=f"global loss at step {step} (2 GPUs {json.dumps(got['losses'])}, "
-                          f"1 GPU {json.dumps(want_losses)})")
+        assert_close(
+            torch.tensor(g),
+            torch.tensor(w),
+            rtol=DDP_RTOL,
+            name=f"global loss at step {step} (2 GPUs {json.dumps(got['losses'])}, "
+            f"1 GPU {json.dumps(want_losses)})",
+        )
     for name, w in want_params.items():
         assert_close(got["params"][name], w, rtol=DDP_RTOL, name=f"rank 0's {name}")

@@ -16,8 +16,13 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_tensor(name: str, t, *, ndim: int | tuple[int, ...] | None = None,
-                 dtypes: Iterable[torch.dtype] | None = None) -> Tensor:
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: int | tuple[int, ...] | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+) -> Tensor:
     """``t`` is a tensor with one of ``dtypes`` and ``ndim`` dimensions."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -49,13 +54,21 @@ def check_same_device(named: dict[str, Tensor | None]) -> torch.device:
         if device is None:
             device, first = t.device, name
         elif t.device != device:
-            raise ValueError(f"{name} is on {t.device} but {first} is on {device}; "
-                             "all tensors must be on one device")
+            raise ValueError(
+                f"{name} is on {t.device} but {first} is on {device}; "
+                "all tensors must be on one device"
+            )
     return device
 
 
-def check_int(name: str, value, *, low: int | None = None, high: int | None = None,
-              choices: Iterable[int] | None = None) -> int:
+def check_int(
+    name: str,
+    value,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    choices: Iterable[int] | None = None,
+) -> int:
     """``value`` is an int (not a bool) within [low, high] or one of ``choices``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -32,6 +32,7 @@ def set_budget(rep_ms: float, warmup_ms: float | None = None) -> None:
 def eager_ms(fn: Callable[[], object]) -> float:
     """Median milliseconds of one call of ``fn`` (``triton.testing.do_bench``)."""
     from triton.testing import do_bench
+
     return do_bench(fn, warmup=_BUDGET["warmup"], rep=_BUDGET["rep"], return_mode="median")
 
 
@@ -81,12 +82,14 @@ def host_ms(fn: Callable[[], object], calls: int = 20) -> float:
 
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read and write bytes counted)."""
+
     def copy_ms(x: torch.Tensor) -> float:
         y = torch.empty_like(x)
         return eager_ms(lambda: y.copy_(x))
-    ms = copy_ms(torch.empty(2 ** 30, dtype=torch.uint8, device="cuda"))
+
+    ms = copy_ms(torch.empty(2**30, dtype=torch.uint8, device="cuda"))
     torch.cuda.empty_cache()
-    return 2 * 2 ** 30 / (ms * 1e-3)
+    return 2 * 2**30 / (ms * 1e-3)
 
 
 def cuda_ops(fn: Callable[[], object]) -> dict[str, tuple[float, int]]:
@@ -94,7 +97,7 @@ def cuda_ops(fn: Callable[[], object]) -> dict[str, tuple[float, int]]:
     ``fn``, profiled after a warm-up call."""
     fn()
     torch.cuda.synchronize()
-    with warnings.catch_warnings():     # that it keeps one cycle's events: one call is all
+    with warnings.catch_warnings():  # that it keeps one cycle's events: one call is all
         warnings.filterwarnings("ignore", ".*Profiler clears events", UserWarning)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
@@ -118,4 +121,4 @@ def peak_gib(fn: Callable[[], object]) -> float:
     base = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    return (torch.cuda.max_memory_allocated() - base) / 2**30

@@ -46,8 +46,18 @@ from sdm_ops import reference as ref
 from sdm_ops.recurrence import CHUNK_SIZES, HEAD_DIMS
 
 PROG = "python -m sdm_ops.bench"
-SECTIONS = ("main", "snapshots", "decode", "peers", "packed", "addressing", "scaling", "topk",
-            "profile", "snapshot-errors")
+SECTIONS = (
+    "main",
+    "snapshots",
+    "decode",
+    "peers",
+    "packed",
+    "addressing",
+    "scaling",
+    "topk",
+    "profile",
+    "snapshot-errors",
+)
 DEFAULT_SECTIONS = SECTIONS[:5]
 SNAPSHOTS = ("none", "bf16", "fp8", "int4")
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
@@ -57,8 +67,22 @@ FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 # Workloads and their bytes floors
 # ---------------------------------------------------------------------------
 
-def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0,
-                  dev: str = "cuda", hot: int | None = None):
+
+def make_workload(
+    B,
+    T,
+    H,
+    D,
+    S,
+    W,
+    R,
+    *,
+    decay: bool,
+    bank_dtype,
+    seed: int = 0,
+    dev: str = "cuda",
+    hot: int | None = None,
+):
     """Random inputs of the recurrence; every index uniform over the S slots, or with ``hot``
     over a fixed random set of ``hot`` of them (addressing that favours some slots, as a
     trained model's may)."""
@@ -69,13 +93,14 @@ def make_workload(B, T, H, D, S, W, R, *, decay: bool, bank_dtype, seed: int = 0
         if slots is None:
             return torch.randint(0, S, shape, device=dev, generator=g)
         return slots[torch.randint(0, hot, shape, device=dev, generator=g)]
+
     args = {
         "v": torch.randn(B, T, H, D, device=dev, generator=g).to(torch.bfloat16),
         "beta": torch.rand(B, T, H, device=dev, generator=g),
         "write_idx": idx(B, T, H, W),
-        "write_w": torch.rand(B, T, H, W, device=dev, generator=g) / W ** 0.5,
+        "write_w": torch.rand(B, T, H, W, device=dev, generator=g) / W**0.5,
         "read_idx": idx(B, T, H, R),
-        "read_w": torch.rand(B, T, H, R, device=dev, generator=g) / R ** 0.5,
+        "read_w": torch.rand(B, T, H, R, device=dev, generator=g) / R**0.5,
         "bank": (torch.randn(B, H, S, D, device=dev, generator=g) * 0.1).to(bank_dtype),
     }
     if decay:
@@ -112,8 +137,13 @@ def floor_bytes_fwd_bwd(a: dict) -> int:
     grads_in = _size(a["v"]) + _size(a["bank"])
     grads_out = sum(_size(a[k]) for k in FLOATS if k in a)
     indices = _size(a["write_idx"]) + _size(a["read_idx"])
-    return (floor_bytes(a) + grads_in + grads_out + indices
-            + B * T * H * (W + R) * D * a["bank"].element_size())
+    return (
+        floor_bytes(a)
+        + grads_in
+        + grads_out
+        + indices
+        + B * T * H * (W + R) * D * a["bank"].element_size()
+    )
 
 
 def packed_workload(B, T, H, D, S, W, R) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -122,8 +152,9 @@ def packed_workload(B, T, H, D, S, W, R) -> tuple[dict, torch.Tensor, torch.Tens
     one bank per sequence."""
     lengths = torch.linspace(T // 8, T, B).round().long()
     lengths = (lengths * (B * T // 2) / lengths.sum()).long().clamp(1, T)
-    packed = make_workload(1, int(lengths.sum()), H, D, S, W, R, decay=True,
-                           bank_dtype=torch.float32)
+    packed = make_workload(
+        1, int(lengths.sum()), H, D, S, W, R, decay=True, bank_dtype=torch.float32
+    )
     packed["bank"] = packed["bank"].expand(B, -1, -1, -1).contiguous()
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to("cuda")
     return packed, cu, lengths
@@ -135,7 +166,7 @@ def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor
     the most entries on one slot. A chunk with more than ``chunk_prepare_sparse.COMPACT``
     entries in one hash bucket (on one slot, unless two slots share a hash) takes phase 1's
     dense kernels."""
-    idx = torch.cat([a["write_idx"], a["read_idx"]], dim=-1)         # [B, T, H, E]
+    idx = torch.cat([a["write_idx"], a["read_idx"]], dim=-1)  # [B, T, H, E]
     B, T, H, E = idx.shape
     C = chunk_size
     N = -(-T // C)
@@ -157,11 +188,14 @@ def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor
 # The calls timed
 # ---------------------------------------------------------------------------
 
+
 def forward_fn(a: dict, chunk_size: int, **kw):
     """A call of the forward of ``sparse_delta_memory`` on ``a``, without autograd."""
+
     def fwd():
         with torch.no_grad():
             return sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, **kw)
+
     return fwd
 
 
@@ -190,6 +224,7 @@ def forward_backward_fn(a: dict, chunk_size: int, **kw):
     def fwd_bwd():
         out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size, **kw)
         return torch.autograd.grad((out, bank), list(leaves.values()), (g_out, g_bank))
+
     return fwd_bwd
 
 
@@ -207,6 +242,7 @@ def _free() -> None:
 # Tables: printed row by row as measured, kept for --json
 # ---------------------------------------------------------------------------
 
+
 class Section:
     """One table: a title, columns ``(key, header, format)`` after the ``case`` column, and
     rows (dicts keyed by ``case`` and the columns' keys; a missing or None figure prints
@@ -222,7 +258,8 @@ class Section:
         self.widths = [max(len(h) + 2, 8) for _, h, _ in self.columns]
         print(f"\n{name}: {title}")
         head = f"{'case':<{case_width}}" + "".join(
-            f"{h:>{w}}" for (_, h, _), w in zip(self.columns, self.widths))
+            f"{h:>{w}}" for (_, h, _), w in zip(self.columns, self.widths)
+        )
         print(head)
         print("-" * len(head), flush=True)
         run.sections.append(self)
@@ -247,9 +284,13 @@ class Section:
         print(text, flush=True)
 
     def as_json(self) -> dict:
-        return {"name": self.name, "title": self.title,
-                "columns": [{"key": k, "header": h, "format": f} for k, h, f in self.columns],
-                "rows": self.rows, "notes": self.notes}
+        return {
+            "name": self.name,
+            "title": self.title,
+            "columns": [{"key": k, "header": h, "format": f} for k, h, f in self.columns],
+            "rows": self.rows,
+            "notes": self.notes,
+        }
 
 
 def _plain(v):
@@ -268,7 +309,7 @@ class Run:
         self.args, self.argv = args, argv
         self.start = time.perf_counter()
         self.sections: list[Section] = []
-        self.bandwidth: float | None = None       # bytes per second
+        self.bandwidth: float | None = None  # bytes per second
 
     @property
     def shape(self) -> tuple:
@@ -277,15 +318,28 @@ class Run:
 
     def as_json(self) -> dict:
         import triton
+
         a = self.args
         cuda = torch.cuda.is_available()
         return {
-            "bench": PROG, "argv": self.argv,
-            "workload": {"B": a.B, "T": a.T, "H": a.H, "D": a.D, "S": a.S, "W": a.W, "R": a.R,
-                         "chunk_size": a.chunk_size, "values": "bfloat16"},
+            "bench": PROG,
+            "argv": self.argv,
+            "workload": {
+                "B": a.B,
+                "T": a.T,
+                "H": a.H,
+                "D": a.D,
+                "S": a.S,
+                "W": a.W,
+                "R": a.R,
+                "chunk_size": a.chunk_size,
+                "values": "bfloat16",
+            },
             "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "sdm_ops_path": sdm_ops.__file__,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "sdm_ops_path": sdm_ops.__file__,
             "copy_bandwidth_bytes_per_s": self.bandwidth,
             "timer": {"do_bench_rep_ms": a.rep_ms, "statistic": "median"},
             "sections": [s.as_json() for s in self.sections],
@@ -305,20 +359,36 @@ class Run:
 # Sections
 # ---------------------------------------------------------------------------
 
+
 def section_main(run: Run) -> None:
     C = run.args.chunk_size
-    t = Section(run, "main", "reference workload: forward, in place, forward+backward",
-                [("fwd_ms", "fwd ms", ".3f"), ("fwd_graph_ms", "graph", ".3f"),
-                 ("fwd_host_ms", "host ms", ".3f"), ("launches", "launches", "d"),
-                 ("fwd_floor_ms", "floor ms", ".3f"), ("fwd_x_floor", "x floor", ".2f"),
-                 ("in_place_graph_ms", "in place", ".3f"),
-                 ("in_place_floor_ms", "floor ms", ".3f"), ("in_place_x_floor", "x floor", ".2f"),
-                 ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_bwd_graph_ms", "graph", ".3f"),
-                 ("fwd_bwd_floor_ms", "floor ms", ".3f"), ("fwd_bwd_x_floor", "x floor", ".2f"),
-                 ("peak_gib", "peak GiB", ".2f"), ("reference_ms", "reference ms", ".1f")])
-    cases = [("float32 bank, decay", True, torch.float32),
-             ("float32 bank, no decay", False, torch.float32),
-             ("bfloat16 bank, decay", True, torch.bfloat16)]
+    t = Section(
+        run,
+        "main",
+        "reference workload: forward, in place, forward+backward",
+        [
+            ("fwd_ms", "fwd ms", ".3f"),
+            ("fwd_graph_ms", "graph", ".3f"),
+            ("fwd_host_ms", "host ms", ".3f"),
+            ("launches", "launches", "d"),
+            ("fwd_floor_ms", "floor ms", ".3f"),
+            ("fwd_x_floor", "x floor", ".2f"),
+            ("in_place_graph_ms", "in place", ".3f"),
+            ("in_place_floor_ms", "floor ms", ".3f"),
+            ("in_place_x_floor", "x floor", ".2f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            ("fwd_bwd_floor_ms", "floor ms", ".3f"),
+            ("fwd_bwd_x_floor", "x floor", ".2f"),
+            ("peak_gib", "peak GiB", ".2f"),
+            ("reference_ms", "reference ms", ".1f"),
+        ],
+    )
+    cases = [
+        ("float32 bank, decay", True, torch.float32),
+        ("float32 bank, no decay", False, torch.float32),
+        ("bfloat16 bank, decay", True, torch.bfloat16),
+    ]
     for i, (name, decay, bank_dtype) in enumerate(cases, 1):
         t.progress(i, len(cases), name)
         a = make_workload(*run.shape, decay=decay, bank_dtype=bank_dtype)
@@ -331,14 +401,19 @@ def section_main(run: Run) -> None:
         row["peak_gib"] = _timing.peak_gib(fwd_bwd)
         row.update(timed("fwd_bwd", fwd_bwd))
         del fwd_bwd
-        for key, nbytes in (("fwd", floor_bytes(a)), ("in_place", floor_bytes(a, in_place=True)),
-                            ("fwd_bwd", floor_bytes_fwd_bwd(a))):
+        for key, nbytes in (
+            ("fwd", floor_bytes(a)),
+            ("in_place", floor_bytes(a, in_place=True)),
+            ("fwd_bwd", floor_bytes_fwd_bwd(a)),
+        ):
             row[f"{key}_floor_ms"] = run.floor_ms(nbytes)
             row[f"{key}_x_floor"] = row[f"{key}_graph_ms"] / row[f"{key}_floor_ms"]
         if not run.args.no_reference:
+
             def ref_fwd(a=a):
                 with torch.no_grad():
                     return ref.sdm_chunked_reference(**a, chunk_size=C)
+
             row["reference_ms"] = _timing.eager_ms(ref_fwd)
         t.add(name, **row)
         del a, fwd
@@ -347,39 +422,64 @@ def section_main(run: Run) -> None:
 
 def section_snapshots(run: Run) -> None:
     D, W, R = run.args.D, run.args.W, run.args.R
-    t = Section(run, "snapshots", "forward+backward by snapshot mode, float32 bank, decay",
-                [("bytes_per_token", "bytes/token", "d"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-                 ("fwd_bwd_graph_ms", "graph", ".3f")])
+    t = Section(
+        run,
+        "snapshots",
+        "forward+backward by snapshot mode, float32 bank, decay",
+        [
+            ("bytes_per_token", "bytes/token", "d"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+        ],
+    )
     a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32)
     for i, mode in enumerate(SNAPSHOTS, 1):
         t.progress(i, len(SNAPSHOTS), mode)
         fwd_bwd = forward_backward_fn(a, run.args.chunk_size, snapshot=mode)
-        t.add(mode, bytes_per_token=snapshot_row_bytes(mode, D, torch.float32) * (W + R),
-              **timed("fwd_bwd", fwd_bwd))
+        t.add(
+            mode,
+            bytes_per_token=snapshot_row_bytes(mode, D, torch.float32) * (W + R),
+            **timed("fwd_bwd", fwd_bwd),
+        )
         del fwd_bwd
         _free()
 
 
 def snapshot_row_bytes(mode: str, D: int, bank_dtype) -> int:
     """Bytes a snapshot mode keeps per bank row (``none``: the bank's own dtype)."""
-    return {"none": D * torch.empty((), dtype=bank_dtype).element_size(), "bf16": D * 2,
-            "fp8": D + D // 4, "int4": D // 2 + D // 4}[mode]
+    return {
+        "none": D * torch.empty((), dtype=bank_dtype).element_size(),
+        "bf16": D * 2,
+        "fp8": D + D // 4,
+        "int4": D // 2 + D // 4,
+    }[mode]
 
 
 def section_decode(run: Run) -> None:
     B, _, H, D, S, W, R = run.shape
     steps = 32
-    t = Section(run, "decode", f"one decode step (T=1, B*H={B * H} streams) of "
-                f"sparse_delta_memory_, replayed from a CUDA graph",
-                [("step_graph_us", "replay us", ".1f"),
-                 ("step_in_graph_us", f"in {steps} steps us", ".1f")])
+    t = Section(
+        run,
+        "decode",
+        f"one decode step (T=1, B*H={B * H} streams) of "
+        f"sparse_delta_memory_, replayed from a CUDA graph",
+        [
+            ("step_graph_us", "replay us", ".1f"),
+            ("step_in_graph_us", f"in {steps} steps us", ".1f"),
+        ],
+    )
     cases = (("float32 bank", torch.float32), ("bfloat16 bank", torch.bfloat16))
     for i, (name, bank_dtype) in enumerate(cases, 1):
         t.progress(i, len(cases), name)
-        step = in_place_fn(make_workload(B, 1, H, D, S, W, R, decay=True,
-                                         bank_dtype=bank_dtype), run.args.chunk_size)
-        t.add(name, step_graph_us=_timing.graph_ms(step) * 1e3,
-              step_in_graph_us=_timing.graph_ms(step, calls=steps) * 1e3)
+        step = in_place_fn(
+            make_workload(B, 1, H, D, S, W, R, decay=True, bank_dtype=bank_dtype),
+            run.args.chunk_size,
+        )
+        t.add(
+            name,
+            step_graph_us=_timing.graph_ms(step) * 1e3,
+            step_in_graph_us=_timing.graph_ms(step, calls=steps) * 1e3,
+        )
         del step
         _free()
 
@@ -388,25 +488,36 @@ def _import_peer(module: str, name: str):
     """(function, None), or (None, why) when it cannot be imported."""
     try:
         return getattr(__import__(module, fromlist=[name]), name), None
-    except Exception as e:          # noqa: BLE001 - a broken optional install is reported
+    except Exception as e:  # noqa: BLE001 - a broken optional install is reported
         first = (str(e).strip().splitlines() or [""])[0][:120]
         return None, f"{type(e).__name__}: {first}"
 
 
 def section_peers(run: Run) -> None:
     B, T, H, D, S = run.shape[:5]
-    t = Section(run, "peers", f"fla-core at B={B} T={T} H={H} K=V={D}, bfloat16 (a {D}x{D} "
-                f"state per stream, {S // D} times smaller than the bank)",
-                [("fwd_ms", "fwd ms", ".3f"), ("fwd_graph_ms", "graph", ".3f"),
-                 ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_bwd_graph_ms", "graph", ".3f")])
+    t = Section(
+        run,
+        "peers",
+        f"fla-core at B={B} T={T} H={H} K=V={D}, bfloat16 (a {D}x{D} "
+        f"state per stream, {S // D} times smaller than the bank)",
+        [
+            ("fwd_ms", "fwd ms", ".3f"),
+            ("fwd_graph_ms", "graph", ".3f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+        ],
+    )
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=g).to(torch.bfloat16)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(B, T, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)
+    )
     k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
     beta = torch.rand(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
     gate = -torch.rand(B, T, H, D, device="cuda", generator=g) * 0.1
-    peers = (("fla chunk_delta_rule", "fla.ops.delta_rule", "chunk_delta_rule", ()),
-             ("fla chunk_kda", "fla.ops.kda", "chunk_kda", (gate,)))
+    peers = (
+        ("fla chunk_delta_rule", "fla.ops.delta_rule", "chunk_delta_rule", ()),
+        ("fla chunk_kda", "fla.ops.kda", "chunk_kda", (gate,)),
+    )
     for i, (name, module, attr, extra) in enumerate(peers, 1):
         fn, why = _import_peer(module, attr)
         if fn is None:
@@ -417,11 +528,13 @@ def section_peers(run: Run) -> None:
         def fwd(fn=fn, extra=extra):
             with torch.no_grad():
                 return fn(q, k, v, *extra, beta)
+
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         g_o = torch.ones_like(v)
 
         def fwd_bwd(fn=fn, extra=extra, leaves=leaves, g_o=g_o):
             return torch.autograd.grad(fn(*leaves, *extra, beta)[0], leaves, g_o)
+
         t.add(name, **timed("fwd", fwd), **timed("fwd_bwd", fwd_bwd))
         _free()
 
@@ -430,37 +543,57 @@ def section_packed(run: Run) -> None:
     B, T, H, D, S, W, R = run.shape
     C = run.args.chunk_size
     packed, cu, lengths = packed_workload(B, T, H, D, S, W, R)
-    t = Section(run, "packed", f"{B} sequences of {int(lengths.min())} to "
-                f"{int(lengths.max())} tokens, packed (cu_seqlens) and padded to [B, T] "
-                "(index -1, weight 0), float32 bank, decay",
-                [("tokens", "tokens", "d"), ("fwd_ms", "fwd ms", ".3f"),
-                 ("fwd_graph_ms", "graph", ".3f"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-                 ("fwd_bwd_graph_ms", "graph", ".3f")])
+    t = Section(
+        run,
+        "packed",
+        f"{B} sequences of {int(lengths.min())} to "
+        f"{int(lengths.max())} tokens, packed (cu_seqlens) and padded to [B, T] "
+        "(index -1, weight 0), float32 bank, decay",
+        [
+            ("tokens", "tokens", "d"),
+            ("fwd_ms", "fwd ms", ".3f"),
+            ("fwd_graph_ms", "graph", ".3f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+        ],
+    )
     padded = make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
-    pad = torch.arange(T, device="cuda")[None, :] >= lengths.to("cuda")[:, None]   # [B, T]
+    pad = torch.arange(T, device="cuda")[None, :] >= lengths.to("cuda")[:, None]  # [B, T]
     for key in ("write_idx", "read_idx"):
         padded[key] = padded[key].masked_fill(pad[:, :, None, None], -1)
-    cases = (("packed (cu_seqlens)", packed, {"cu_seqlens": cu}, int(lengths.sum())),
-             ("padded to [B, T]", padded, {}, B * T))
+    cases = (
+        ("packed (cu_seqlens)", packed, {"cu_seqlens": cu}, int(lengths.sum())),
+        ("padded to [B, T]", padded, {}, B * T),
+    )
     for i, (name, a, kw, tokens) in enumerate(cases, 1):
         t.progress(i, len(cases), name)
         fwd_bwd = forward_backward_fn(a, C, **kw)
-        t.add(name, tokens=tokens, **timed("fwd", forward_fn(a, C, **kw)),
-              **timed("fwd_bwd", fwd_bwd))
+        t.add(
+            name, tokens=tokens, **timed("fwd", forward_fn(a, C, **kw)), **timed("fwd_bwd", fwd_bwd)
+        )
         del fwd_bwd
         _free()
 
 
 def section_addressing(run: Run) -> None:
     from .kernels.chunk_prepare_sparse import COMPACT
+
     S = run.args.S
-    t = Section(run, "addressing", f"indices uniform over a hot set of slots, float32 bank, "
-                f"decay; a chunk with more than {COMPACT} entries on one slot runs phase 1's "
-                "dense kernels",
-                [("shared_per_chunk", "shared/chunk", ".1f"),
-                 ("dense_chunks", "dense chunks", ".1%"), ("fwd_ms", "fwd ms", ".3f"),
-                 ("fwd_graph_ms", "graph", ".3f"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-                 ("fwd_bwd_graph_ms", "graph", ".3f")])
+    t = Section(
+        run,
+        "addressing",
+        f"indices uniform over a hot set of slots, float32 bank, "
+        f"decay; a chunk with more than {COMPACT} entries on one slot runs phase 1's "
+        "dense kernels",
+        [
+            ("shared_per_chunk", "shared/chunk", ".1f"),
+            ("dense_chunks", "dense chunks", ".1%"),
+            ("fwd_ms", "fwd ms", ".3f"),
+            ("fwd_graph_ms", "graph", ".3f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+        ],
+    )
     cases = ((S, 32), (S, 64), (S, 128), (S // 16, 64), (S // 256, 64))
     for i, (hot, C) in enumerate(cases, 1):
         name = f"{hot} slots, chunk {C}"
@@ -468,28 +601,44 @@ def section_addressing(run: Run) -> None:
         a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32, hot=hot)
         count, most = shared_entries(a, C)
         fwd_bwd = forward_backward_fn(a, C)
-        t.add(name, shared_per_chunk=count.float().mean(),
-              dense_chunks=(most > COMPACT).float().mean(), **timed("fwd", forward_fn(a, C)),
-              **timed("fwd_bwd", fwd_bwd))
+        t.add(
+            name,
+            shared_per_chunk=count.float().mean(),
+            dense_chunks=(most > COMPACT).float().mean(),
+            **timed("fwd", forward_fn(a, C)),
+            **timed("fwd_bwd", fwd_bwd),
+        )
         del fwd_bwd, a
         _free()
 
 
 def section_scaling(run: Run) -> None:
     C = run.args.chunk_size
-    t = Section(run, "scaling", f"B=1 H=8 W=8 R=8 chunk {C}, float32 bank, decay (at B=1 an "
-                "eager call can be mostly host time)",
-                [("fwd_ms", "fwd ms", ".3f"), ("fwd_graph_ms", "graph", ".3f"),
-                 ("in_place_graph_ms", "in place", ".3f"), ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-                 ("fwd_bwd_graph_ms", "graph", ".3f")])
-    cases = [(T, S, D) for D in (64, 128) for S in (2 ** 16, 2 ** 20) for T in (1024, 4096, 16384)]
+    t = Section(
+        run,
+        "scaling",
+        f"B=1 H=8 W=8 R=8 chunk {C}, float32 bank, decay (at B=1 an "
+        "eager call can be mostly host time)",
+        [
+            ("fwd_ms", "fwd ms", ".3f"),
+            ("fwd_graph_ms", "graph", ".3f"),
+            ("in_place_graph_ms", "in place", ".3f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+        ],
+    )
+    cases = [(T, S, D) for D in (64, 128) for S in (2**16, 2**20) for T in (1024, 4096, 16384)]
     for i, (T, S, D) in enumerate(cases, 1):
         name = f"T={T} S={S} D={D}"
         t.progress(i, len(cases), name)
         a = make_workload(1, T, 8, D, S, 8, 8, decay=True, bank_dtype=torch.float32)
         fwd_bwd = forward_backward_fn(a, C)
-        t.add(name, **timed("fwd", forward_fn(a, C)),
-              in_place_graph_ms=_timing.graph_ms(in_place_fn(a, C)), **timed("fwd_bwd", fwd_bwd))
+        t.add(
+            name,
+            **timed("fwd", forward_fn(a, C)),
+            in_place_graph_ms=_timing.graph_ms(in_place_fn(a, C)),
+            **timed("fwd_bwd", fwd_bwd),
+        )
         del fwd_bwd, a
         _free()
 
@@ -497,7 +646,7 @@ def section_scaling(run: Run) -> None:
 TOPK_ROWS = 262144
 TOPK_FACTORS = (256, 256)
 TOPK_KS = (8, 32)
-BRUTE_CHUNK = 16384          # rows whose 65536 float32 sums (4 GiB) are held at once
+BRUTE_CHUNK = 16384  # rows whose 65536 float32 sums (4 GiB) are held at once
 
 
 def brute_force_topk(raw: torch.Tensor, k: int) -> None:
@@ -505,25 +654,36 @@ def brute_force_topk(raw: torch.Tensor, k: int) -> None:
     ``torch.topk``: what ``product_key_topk`` avoids materializing."""
     a, b = TOPK_FACTORS
     for r0 in range(0, raw.shape[0], BRUTE_CHUNK):
-        x = raw[r0:r0 + BRUTE_CHUNK].float()
+        x = raw[r0 : r0 + BRUTE_CHUNK].float()
         sums = (x[:, :a, None] + x[:, None, a:]).reshape(x.shape[0], a * b)
         torch.topk(sums, k, dim=-1)
 
 
 def section_topk(run: Run) -> None:
-    t = Section(run, "topk", f"product_key_topk, {TOPK_ROWS} rows, factors {TOPK_FACTORS}; "
-                "floor: the rows read once",
-                [("floor_ms", "floor ms", ".3f"), ("fwd_ms", "fwd ms", ".3f"),
-                 ("fwd_graph_ms", "graph", ".3f"), ("fwd_x_floor", "x floor", ".1f"),
-                 ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_bwd_graph_ms", "graph", ".3f"),
-                 ("brute_force_ms", "brute force ms", ".1f")])
+    t = Section(
+        run,
+        "topk",
+        f"product_key_topk, {TOPK_ROWS} rows, factors {TOPK_FACTORS}; floor: the rows read once",
+        [
+            ("floor_ms", "floor ms", ".3f"),
+            ("fwd_ms", "fwd ms", ".3f"),
+            ("fwd_graph_ms", "graph", ".3f"),
+            ("fwd_x_floor", "x floor", ".1f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            ("brute_force_ms", "brute force ms", ".1f"),
+        ],
+    )
     cases = [(dtype, k) for dtype in (torch.bfloat16, torch.float32) for k in TOPK_KS]
     for i, (dtype, k) in enumerate(cases, 1):
         name = f"{str(dtype).removeprefix('torch.')} rows, k={k}"
         t.progress(i, len(cases), name)
         raw, forward, forward_backward = topk_calls(dtype, k)
-        row = {"floor_ms": run.floor_ms(_size(raw)), **timed("fwd", forward),
-               **timed("fwd_bwd", forward_backward)}
+        row = {
+            "floor_ms": run.floor_ms(_size(raw)),
+            **timed("fwd", forward),
+            **timed("fwd_bwd", forward_backward),
+        }
         row["fwd_x_floor"] = row["fwd_graph_ms"] / row["floor_ms"]
         if dtype == torch.bfloat16:
             row["brute_force_ms"] = _timing.eager_ms(partial(brute_force_topk, raw, k))
@@ -546,13 +706,18 @@ def topk_calls(dtype, k: int):
     def forward_backward():
         val, _ = sdm_ops.product_key_topk(x, TOPK_FACTORS, k)
         return torch.autograd.grad(val, x, grad_val)
+
     return raw, forward, forward_backward
 
 
 def section_profile(run: Run, top: int = 15) -> None:
-    t = Section(run, "profile", "CUDA time of one forward+backward by kernel, float32 bank, "
-                f"decay (the {top} longest)", [("ms", "ms", ".3f"), ("calls", "calls", "d")],
-                case_width=64)
+    t = Section(
+        run,
+        "profile",
+        f"CUDA time of one forward+backward by kernel, float32 bank, decay (the {top} longest)",
+        [("ms", "ms", ".3f"), ("calls", "calls", "d")],
+        case_width=64,
+    )
     a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32)
     t.progress(1, 1, "float32 bank, decay")
     totals = _timing.cuda_ops(forward_backward_fn(a, run.args.chunk_size))
@@ -568,42 +733,58 @@ def section_snapshot_errors(run: Run) -> None:
     a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32, dev=dev)
     names = [k for k in FLOATS if k in a]
     D, W, R = run.args.D, run.args.W, run.args.R
-    t = Section(run, "snapshot-errors", f"each gradient's error against snapshot 'none' "
-                f"(max |g - g_none| / max |g_none|), float32 bank, decay, on {dev}",
-                [("bytes_per_token", "bytes/token", "d")]
-                + [(f"err_{n}", f"d{n}", ".1e") for n in names])
+    t = Section(
+        run,
+        "snapshot-errors",
+        f"each gradient's error against snapshot 'none' "
+        f"(max |g - g_none| / max |g_none|), float32 bank, decay, on {dev}",
+        [("bytes_per_token", "bytes/token", "d")] + [(f"err_{n}", f"d{n}", ".1e") for n in names],
+    )
     grads = {}
     for i, mode in enumerate(SNAPSHOTS, 1):
         t.progress(i, len(SNAPSHOTS), mode)
         leaves = {k: a[k].detach().clone().requires_grad_() for k in names}
-        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves),
-                                                chunk_size=run.args.chunk_size, snapshot=mode)
+        out, bank = sdm_ops.sparse_delta_memory(
+            **dict(a, **leaves), chunk_size=run.args.chunk_size, snapshot=mode
+        )
         g = torch.Generator(device=dev).manual_seed(1)
         g_out = torch.randn(out.shape, device=dev, generator=g)
         g_bank = torch.randn(bank.shape, device=dev, generator=g)
         loss = (out.float() * g_out).sum() + (bank.float() * g_bank).sum()
         grads[mode] = torch.autograd.grad(loss, [leaves[k] for k in names])
-        errs = {f"err_{n}": ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
-                for n, x, y in zip(names, grads[mode], grads["none"])}
+        errs = {
+            f"err_{n}": ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+            for n, x, y in zip(names, grads[mode], grads["none"])
+        }
         t.add(mode, bytes_per_token=snapshot_row_bytes(mode, D, torch.float32) * (W + R), **errs)
 
 
-RUNNERS = {"main": section_main, "snapshots": section_snapshots, "decode": section_decode,
-           "peers": section_peers, "packed": section_packed, "addressing": section_addressing,
-           "scaling": section_scaling, "topk": section_topk, "profile": section_profile,
-           "snapshot-errors": section_snapshot_errors}
+RUNNERS = {
+    "main": section_main,
+    "snapshots": section_snapshots,
+    "decode": section_decode,
+    "peers": section_peers,
+    "packed": section_packed,
+    "addressing": section_addressing,
+    "scaling": section_scaling,
+    "topk": section_topk,
+    "profile": section_profile,
+    "snapshot-errors": section_snapshot_errors,
+}
 
 
 # ---------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------
 
+
 def _sections(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in SECTIONS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}")
+            f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}"
+        )
     return names
 
 
@@ -616,37 +797,76 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
         epilog="Output: one table per section on stdout, each row printed once measured,\n"
-               "and a progress line per case on stderr. Figures are milliseconds unless a\n"
-               "column says otherwise. --json writes every figure with the device and the\n"
-               "versions; benchmarks/table.py in the repository renders such a file as\n"
-               "Markdown tables. Without a CUDA GPU it exits with status 2 (unless --only\n"
-               "snapshot-errors).")
+        "and a progress line per case on stderr. Figures are milliseconds unless a\n"
+        "column says otherwise. --json writes every figure with the device and the\n"
+        "versions; benchmarks/table.py in the repository renders such a file as\n"
+        "Markdown tables. Without a CUDA GPU it exits with status 2 (unless --only\n"
+        "snapshot-errors).",
+    )
     shape = parser.add_argument_group("workload (the reference workload by default)")
-    for name, default, what in (("B", 8, "sequences in the batch"), ("T", 4096, "tokens each"),
-                                ("H", 8, "heads"), ("S", 65536, "bank slots per head"),
-                                ("W", 8, "write entries per token and head"),
-                                ("R", 8, "read entries per token and head")):
-        shape.add_argument(f"--{name}", type=_positive, default=default, metavar="N",
-                           help=f"{what} (default {default})")
-    shape.add_argument("--D", type=int, default=64, choices=HEAD_DIMS, metavar="N",
-                       help=f"value width, one of {', '.join(map(str, HEAD_DIMS))} (default 64)")
-    shape.add_argument("--chunk-size", type=int, default=64, choices=CHUNK_SIZES, metavar="N",
-                       help="tokens per chunk of the recurrence, one of "
-                            f"{', '.join(map(str, CHUNK_SIZES))} (default 64)")
-    parser.add_argument("--only", type=_sections, default=list(DEFAULT_SECTIONS),
-                        metavar="SECTIONS",
-                        help="comma-separated sections to run, in the order given, of: "
-                             f"{', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})")
-    parser.add_argument("--no-reference", action="store_true",
-                        help="skip the stock-PyTorch reference forward in the main section")
-    parser.add_argument("--rep-ms", type=float, default=100.0, metavar="MS",
-                        help="milliseconds of repeated calls per measurement, do_bench's rep "
-                             "(default 100; at least one call)")
-    parser.add_argument("--json", metavar="PATH",
-                        help="also write the results as JSON to PATH (rewritten after each "
-                             "section), e.g. benchmarks/results/NAME.json")
+    for name, default, what in (
+        ("B", 8, "sequences in the batch"),
+        ("T", 4096, "tokens each"),
+        ("H", 8, "heads"),
+        ("S", 65536, "bank slots per head"),
+        ("W", 8, "write entries per token and head"),
+        ("R", 8, "read entries per token and head"),
+    ):
+        shape.add_argument(
+            f"--{name}",
+            type=_positive,
+            default=default,
+            metavar="N",
+            help=f"{what} (default {default})",
+        )
+    shape.add_argument(
+        "--D",
+        type=int,
+        default=64,
+        choices=HEAD_DIMS,
+        metavar="N",
+        help=f"value width, one of {', '.join(map(str, HEAD_DIMS))} (default 64)",
+    )
+    shape.add_argument(
+        "--chunk-size",
+        type=int,
+        default=64,
+        choices=CHUNK_SIZES,
+        metavar="N",
+        help="tokens per chunk of the recurrence, one of "
+        f"{', '.join(map(str, CHUNK_SIZES))} (default 64)",
+    )
+    parser.add_argument(
+        "--only",
+        type=_sections,
+        default=list(DEFAULT_SECTIONS),
+        metavar="SECTIONS",
+        help="comma-separated sections to run, in the order given, of: "
+        f"{', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})",
+    )
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the stock-PyTorch reference forward in the main section",
+    )
+    parser.add_argument(
+        "--rep-ms",
+        type=float,
+        default=100.0,
+        metavar="MS",
+        help="milliseconds of repeated calls per measurement, do_bench's rep "
+        "(default 100; at least one call)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH (rewritten after each "
+        "section), e.g. benchmarks/results/NAME.json",
+    )
     return parser
 
 
@@ -655,8 +875,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and set(args.only) != {"snapshot-errors"}:
-        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False); only "
-                     "--only snapshot-errors runs on the CPU")
+        parser.error(
+            "needs a CUDA GPU (torch.cuda.is_available() is False); only "
+            "--only snapshot-errors runs on the CPU"
+        )
     if args.rep_ms <= 0:
         parser.error(f"--rep-ms must be positive, not {args.rep_ms:g}")
     if args.json:
@@ -668,11 +890,16 @@ def main(argv: list[str] | None = None) -> int:
     B, T, H, D, S, W, R = run.shape
     if torch.cuda.is_available():
         import triton
+
         run.bandwidth = _timing.copy_bandwidth()
-        print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, triton "
-              f"{triton.__version__}, copy bandwidth {run.bandwidth / 1e12:.2f} TB/s")
-    print(f"B={B} T={T} H={H} D={D} S={S} W={W} R={R} chunk {args.chunk_size}, bfloat16 "
-          f"values; times in ms (median of do_bench), 'graph': replayed from a CUDA graph")
+        print(
+            f"{torch.cuda.get_device_name()}: torch {torch.__version__}, triton "
+            f"{triton.__version__}, copy bandwidth {run.bandwidth / 1e12:.2f} TB/s"
+        )
+    print(
+        f"B={B} T={T} H={H} D={D} S={S} W={W} R={R} chunk {args.chunk_size}, bfloat16 "
+        f"values; times in ms (median of do_bench), 'graph': replayed from a CUDA graph"
+    )
     for name in args.only:
         RUNNERS[name](run)
         run.save()

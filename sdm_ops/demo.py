@@ -34,20 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sdm_ops.demo",
         description="Check sdm_ops' operators on a key-value storage example (product-key "
-                    "top-k addressing, the sparse delta memory recurrence, the WY solve; each "
-                    "against the float64 reference), then train a small model with "
-                    "SparseDeltaMemory layers on multi-query associative recall under "
-                    "torch.compile(fullgraph=True) and print its recall accuracy on held-out "
-                    "sequences. Progress: a line when compiling starts and ends, then a line "
-                    "every few seconds with the step, loss, time elapsed and time left. The "
-                    f"exit status is 0 when every check passes and the accuracy reaches "
-                    f"{mqar.TARGET_ACCURACY}, else 1.")
-    parser.add_argument("--pairs", type=mqar._positive_int, default=256,
-                        help="key-value pairs the operator check writes and reads back "
-                             "(default 256)")
-    parser.add_argument("--heads", type=mqar._positive_int, default=2,
-                        help="heads (independent banks of 4096 slots) of the operator check "
-                             "(default 2)")
+        "top-k addressing, the sparse delta memory recurrence, the WY solve; each "
+        "against the float64 reference), then train a small model with "
+        "SparseDeltaMemory layers on multi-query associative recall under "
+        "torch.compile(fullgraph=True) and print its recall accuracy on held-out "
+        "sequences. Progress: a line when compiling starts and ends, then a line "
+        "every few seconds with the step, loss, time elapsed and time left. The "
+        f"exit status is 0 when every check passes and the accuracy reaches "
+        f"{mqar.TARGET_ACCURACY}, else 1.",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=mqar._positive_int,
+        default=256,
+        help="key-value pairs the operator check writes and reads back (default 256)",
+    )
+    parser.add_argument(
+        "--heads",
+        type=mqar._positive_int,
+        default=2,
+        help="heads (independent banks of 4096 slots) of the operator check (default 2)",
+    )
     mqar.add_training_options(parser)
     return parser
 
@@ -56,9 +63,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     mqar.set_threads(args)
     ok = check_operators(args)
-    print("training a 2-block model with SparseDeltaMemory layers on multi-query associative "
-          f"recall ({mqar.MQARTask.num_pairs} key-value pairs, then "
-          f"{mqar.MQARTask.num_queries} queries)")
+    print(
+        "training a 2-block model with SparseDeltaMemory layers on multi-query associative "
+        f"recall ({mqar.MQARTask.num_pairs} key-value pairs, then "
+        f"{mqar.MQARTask.num_queries} queries)"
+    )
     acc = mqar.train_from_args(args)
     return 0 if ok and acc >= mqar.TARGET_ACCURACY else 1
 
@@ -71,8 +80,10 @@ def check_operators(args) -> bool:
     factors, k = (64, 64), 4
     S = factors[0] * factors[1]
     path = "Triton kernels" if dev.type == "cuda" else "reference (CPU path of the operators)"
-    print(f"sdm_ops demo on {dev} ({path}): {n} key-value pairs, {H} heads, "
-          f"{S} slots per head, {k} slots per key")
+    print(
+        f"sdm_ops demo on {dev} ({path}): {n} key-value pairs, {H} heads, "
+        f"{S} slots per head, {k} slots per key"
+    )
     t0 = time.perf_counter()
     ok = True
 
@@ -83,10 +94,13 @@ def check_operators(args) -> bool:
     val, lin = sdm_ops.product_key_topk(raw, factors, k)
     val_r, lin_r = ref.product_key_topk_bruteforce(raw.cpu(), factors, k)
     exact = torch.equal(lin.cpu(), lin_r) and torch.equal(val.cpu(), val_r)
-    ok &= _check("product_key_topk", exact,
-                 f"{n * H} rows, exact top-{k} of {S} slots equal to the brute force")
+    ok &= _check(
+        "product_key_topk",
+        exact,
+        f"{n * H} rows, exact top-{k} of {S} slots equal to the brute force",
+    )
     weights = torch.softmax(val.float(), -1)
-    weights = weights / weights.norm(dim=-1, keepdim=True)        # unit sparse keys
+    weights = weights / weights.norm(dim=-1, keepdim=True)  # unit sparse keys
 
     # Write every pair (tokens 0..n-1), then read every key (tokens n..2n-1).
     T = 2 * n
@@ -101,36 +115,52 @@ def check_operators(args) -> bool:
     read_w = torch.cat([torch.zeros_like(weights), weights], 1)
     bank = torch.zeros(H, S, D, device=dev)
     with torch.no_grad():
-        out, new_bank = sdm_ops.sparse_delta_memory(v, beta, write_idx, write_w, read_idx,
-                                                    read_w, bank)
-    args64 = [x.cpu().double() if x.is_floating_point() else x.cpu()
-              for x in (v, beta, write_idx, write_w, read_idx, read_w, bank)]
+        out, new_bank = sdm_ops.sparse_delta_memory(
+            v, beta, write_idx, write_w, read_idx, read_w, bank
+        )
+    args64 = [
+        x.cpu().double() if x.is_floating_point() else x.cpu()
+        for x in (v, beta, write_idx, write_w, read_idx, read_w, bank)
+    ]
     out_r, bank_r = ref.sdm_chunked_reference(*args64, chunk_size=64)
     err = ((out.cpu().double() - out_r).abs().max() / out_r.abs().max()).item()
     err_b = ((new_bank.cpu().double() - bank_r).abs().max() / bank_r.abs().max()).item()
-    ok &= _check("sparse_delta_memory", max(err, err_b) <= 1e-5,
-                 f"T={T}, relative error {err:.1e} (out), {err_b:.1e} (bank) against float64")
+    ok &= _check(
+        "sparse_delta_memory",
+        max(err, err_b) <= 1e-5,
+        f"T={T}, relative error {err:.1e} (out), {err_b:.1e} (bank) against float64",
+    )
 
     # The WY solve of one chunk of this run, against float64.
-    prep = ref.chunk_prepare_reference(write_idx.cpu(), write_w.cpu(), read_idx.cpu(),
-                                       read_w.cpu(), None, S, 64)
+    prep = ref.chunk_prepare_reference(
+        write_idx.cpu(), write_w.cpu(), read_idx.cpu(), read_w.cpu(), None, S, 64
+    )
     A, QK = prep.A.reshape(-1, 64, 64), prep.QK.reshape(-1, 64, 64)
-    betas = _chunked(ref.to_streams(beta.cpu()), 64, 0)       # [chunks, 64]
+    betas = _chunked(ref.to_streams(beta.cpu()), 64, 0)  # [chunks, 64]
     X, QX = sdm_ops.wy_solve(A.to(dev), betas.to(dev), QK.to(dev))
     X_r, QX_r = ref.wy_solve_reference(A.double(), betas.double(), QK.double())
-    err_w = max(((X.cpu().double() - X_r).abs().max() / X_r.abs().max()).item(),
-                ((QX.cpu().double() - QX_r).abs().max() / QX_r.abs().max().clamp(min=1)).item())
-    ok &= _check("wy_solve", err_w <= 1e-5,
-                 f"{A.shape[0]} chunks of 64, relative error {err_w:.1e} against float64")
+    err_w = max(
+        ((X.cpu().double() - X_r).abs().max() / X_r.abs().max()).item(),
+        ((QX.cpu().double() - QX_r).abs().max() / QX_r.abs().max().clamp(min=1)).item(),
+    )
+    ok &= _check(
+        "wy_solve",
+        err_w <= 1e-5,
+        f"{A.shape[0]} chunks of 64, relative error {err_w:.1e} against float64",
+    )
 
     # Recall: the value read back for each key against the value stored.
     got, want = out[:, n:].float(), v[:, :n]
     cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).flatten()
-    print(f"  recall: median cosine {cos.median().item():.3f}, "
-          f"{(cos > 0.9).float().mean().item():.1%} of keys above 0.9 "
-          f"(later writes to shared slots interfere with earlier ones)")
-    print(f"operators checked in {time.perf_counter() - t0:.1f} s: "
-          f"{'all checks passed' if ok else 'CHECKS FAILED'}")
+    print(
+        f"  recall: median cosine {cos.median().item():.3f}, "
+        f"{(cos > 0.9).float().mean().item():.1%} of keys above 0.9 "
+        f"(later writes to shared slots interfere with earlier ones)"
+    )
+    print(
+        f"operators checked in {time.perf_counter() - t0:.1f} s: "
+        f"{'all checks passed' if ok else 'CHECKS FAILED'}"
+    )
     return ok
 
 

@@ -14,9 +14,9 @@ from torch import Tensor
 __all__ = ["FP8_MAX", "INT4_MAX", "QUANT_GROUP", "SNAPSHOT_MODES", "ChunkWeights", "Prepared"]
 
 SNAPSHOT_MODES = ("none", "bf16", "fp8", "int4")
-QUANT_GROUP = 16      # columns sharing one scale in the fp8 and int4 snapshots
-FP8_MAX = 448.0       # largest float8_e4m3fn
-INT4_MAX = 7.0        # int4 codes are round(x / scale) in [-7, 7], stored + 8
+QUANT_GROUP = 16  # columns sharing one scale in the fp8 and int4 snapshots
+FP8_MAX = 448.0  # largest float8_e4m3fn
+INT4_MAX = 7.0  # int4 codes are round(x / scale) in [-7, 7], stored + 8
 
 
 class Prepared(NamedTuple):
@@ -26,6 +26,7 @@ class Prepared(NamedTuple):
     gather_r: [B, T, H, R]; all float (compute dtype). rank [B, T, H, W] and read_rank
     [B, T, H, R]: int32 (see ChunkWeights). Padding entries have weight 0, decay 1 and rank 0.
     """
+
     A: Tensor
     QK: Tensor
     gather_w: Tensor
@@ -49,6 +50,7 @@ class ChunkWeights(NamedTuple):
     read_rank: [P, C, R] int64, the same among the read entries;
     slot / rslot: [P, C, W] / [P, C, R] int64 slots, -1 for padding.
     """
+
     A: Tensor
     QK: Tensor
     gather_w: Tensor

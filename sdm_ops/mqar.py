@@ -29,7 +29,7 @@ from .nn import SparseDeltaMemory
 
 IGNORE = -100
 TARGET_ACCURACY = 0.9
-STEPS = 500          # default training steps
+STEPS = 500  # default training steps
 
 
 @dataclass(frozen=True)
@@ -47,18 +47,20 @@ class MQARTask:
     def seq_len(self) -> int:
         return 2 * self.num_pairs + self.num_queries
 
-    def batch(self, batch_size: int, generator: torch.Generator,
-              device: str | torch.device = "cpu") -> tuple[Tensor, Tensor]:
+    def batch(
+        self, batch_size: int, generator: torch.Generator, device: str | torch.device = "cpu"
+    ) -> tuple[Tensor, Tensor]:
         """``(tokens [B, T] int64, labels [B, T] int64)``, drawn on the CPU from
         ``generator`` (reproducible whatever the device), then moved to ``device``."""
         B, P, Q = batch_size, self.num_pairs, self.num_queries
         keys = torch.rand(B, self.num_keys, generator=generator).argsort(-1)[:, :P]
         values = self.num_keys + torch.randint(0, self.num_values, (B, P), generator=generator)
         asked = torch.rand(B, P, generator=generator).argsort(-1)[:, :Q]
-        tokens = torch.cat([torch.stack([keys, values], -1).view(B, 2 * P),
-                            keys.gather(1, asked)], dim=1)
+        tokens = torch.cat(
+            [torch.stack([keys, values], -1).view(B, 2 * P), keys.gather(1, asked)], dim=1
+        )
         labels = torch.full_like(tokens, IGNORE)
-        labels[:, 2 * P:] = values.gather(1, asked)
+        labels[:, 2 * P :] = values.gather(1, asked)
         return tokens.to(device), labels.to(device)
 
 
@@ -84,8 +86,9 @@ class Block(nn.Module):
         self.shift = TokenShift(d_model)
         self.memory = SparseDeltaMemory(d_model, **memory)
         self.norm2 = nn.RMSNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                 nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.memory(self.shift(self.norm1(x)))
@@ -95,13 +98,29 @@ class Block(nn.Module):
 class MQARModel(nn.Module):
     """Token embedding -> ``layers`` blocks -> RMSNorm -> logits ``[B, T, vocab]``."""
 
-    def __init__(self, vocab: int, d_model: int = 64, layers: int = 2, heads: int = 2,
-                 head_dim: int = 32, factors: Sequence[int] = (16, 16), read_topk: int = 8,
-                 write_topk: int = 8, use_decay: bool = True, chunk_size: int = 16):
+    def __init__(
+        self,
+        vocab: int,
+        d_model: int = 64,
+        layers: int = 2,
+        heads: int = 2,
+        head_dim: int = 32,
+        factors: Sequence[int] = (16, 16),
+        read_topk: int = 8,
+        write_topk: int = 8,
+        use_decay: bool = True,
+        chunk_size: int = 16,
+    ):
         super().__init__()
-        memory = dict(heads=heads, head_dim=head_dim, factors=tuple(factors),
-                      read_topk=read_topk, write_topk=write_topk, use_decay=use_decay,
-                      chunk_size=chunk_size)
+        memory = dict(
+            heads=heads,
+            head_dim=head_dim,
+            factors=tuple(factors),
+            read_topk=read_topk,
+            write_topk=write_topk,
+            use_decay=use_decay,
+            chunk_size=chunk_size,
+        )
         self.embed = nn.Embedding(vocab, d_model)
         self.blocks = nn.ModuleList(Block(d_model, memory) for _ in range(layers))
         self.norm = nn.RMSNorm(d_model)
@@ -123,8 +142,14 @@ def _loss_and_hits(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tens
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, task: MQARTask, sequences: int = 1024, batch_size: int = 256,
-             seed: int = 1234, device: str | torch.device = "cpu") -> float:
+def evaluate(
+    model: nn.Module,
+    task: MQARTask,
+    sequences: int = 1024,
+    batch_size: int = 256,
+    seed: int = 1234,
+    device: str | torch.device = "cpu",
+) -> float:
     """Recall accuracy on ``sequences`` fresh sequences: the fraction of query positions whose
     most likely token is the paired value."""
     was_training = model.training
@@ -153,9 +178,15 @@ class Progress:
     training time left (the steps left times the mean time of the steps after the first).
     """
 
-    def __init__(self, steps: int, *, interval: float = 5.0, compiling: bool = False,
-                 log: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        steps: int,
+        *,
+        interval: float = 5.0,
+        compiling: bool = False,
+        log: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.steps, self.interval, self.compiling = steps, interval, compiling
         self.log, self.clock = log, clock
         self.start = self.last = self.first = 0.0
@@ -166,8 +197,10 @@ class Progress:
 
     def begin(self) -> None:
         if self.compiling:
-            self.log("compiling the model (torch.compile, fullgraph=True): the first step "
-                     "traces and compiles its forward and backward...")
+            self.log(
+                "compiling the model (torch.compile, fullgraph=True): the first step "
+                "traces and compiles its forward and backward..."
+            )
         self.start = self.last = self.clock()
 
     def update(self, step: int, loss: float, hits: int, total: int) -> None:
@@ -177,19 +210,22 @@ class Progress:
         if step == 1:
             self.first = now
             if self.compiling:
-                self.log(f"compiled in {now - self.start:.1f} s (the first step, compiling "
-                         f"included); training...")
+                self.log(
+                    f"compiled in {now - self.start:.1f} s (the first step, compiling "
+                    f"included); training..."
+                )
                 self.last = now
                 if step < self.steps:
                     return
         if now - self.last < self.interval and step < self.steps:
             return
-        per_step = ((now - self.first) / (step - 1) if step > 1
-                    else (now - self.start) / step)
+        per_step = (now - self.first) / (step - 1) if step > 1 else (now - self.start) / step
         left = per_step * (self.steps - step)
-        self.log(f"step {step}/{self.steps}  loss {self.loss_sum / self.count:.4f}  "
-                 f"train accuracy {self.hits / max(self.total, 1):.3f}  "
-                 f"elapsed {now - self.start:.0f} s  about {left:.0f} s left")
+        self.log(
+            f"step {step}/{self.steps}  loss {self.loss_sum / self.count:.4f}  "
+            f"train accuracy {self.hits / max(self.total, 1):.3f}  "
+            f"elapsed {now - self.start:.0f} s  about {left:.0f} s left"
+        )
         self.last = now
         self._reset()
 
@@ -197,11 +233,22 @@ class Progress:
         return self.clock() - self.start
 
 
-def train(steps: int = STEPS, *, task: MQARTask = MQARTask(), batch_size: int = 32,
-          lr: float = 1e-2, weight_decay: float = 0.01, warmup: int = 20, seed: int = 0,
-          device: str | torch.device | None = None, compile: bool = True,
-          log_interval: float = 5.0, eval_sequences: int = 1024,
-          log: Callable[[str], None] = print, **model_options) -> float:
+def train(
+    steps: int = STEPS,
+    *,
+    task: MQARTask = MQARTask(),
+    batch_size: int = 32,
+    lr: float = 1e-2,
+    weight_decay: float = 0.01,
+    warmup: int = 20,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    compile: bool = True,
+    log_interval: float = 5.0,
+    eval_sequences: int = 1024,
+    log: Callable[[str], None] = print,
+    **model_options,
+) -> float:
     """Train an :class:`MQARModel` on fresh MQAR batches with AdamW (linear warmup, cosine
     decay), the model compiled with ``torch.compile(fullgraph=True)`` unless ``compile`` is
     False, and return its recall accuracy on ``eval_sequences`` held-out sequences. Progress
@@ -211,15 +258,20 @@ def train(steps: int = STEPS, *, task: MQARTask = MQARTask(), batch_size: int = 
     torch.manual_seed(seed)
     model = MQARModel(task.vocab, **model_options).to(device)
     run = torch.compile(model, fullgraph=True) if compile else model
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                            betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(s, steps) / steps)))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+        ),
+    )
     g = torch.Generator().manual_seed(seed + 1)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"mqar: {task.num_pairs} pairs, {task.num_queries} queries, T = {task.seq_len}, "
+    log(
+        f"mqar: {task.num_pairs} pairs, {task.num_queries} queries, T = {task.seq_len}, "
         f"vocab {task.vocab}; {n_params} parameters; {steps} steps of batch {batch_size} on "
-        f"{device}{' (compiled)' if compile else ''}")
+        f"{device}{' (compiled)' if compile else ''}"
+    )
     progress = Progress(steps, interval=log_interval, compiling=compile, log=log)
     progress.begin()
     for step in range(1, steps + 1):
@@ -255,23 +307,43 @@ def _seconds(text: str) -> float:
 def add_training_options(parser: argparse.ArgumentParser) -> None:
     """The training options shared by ``python -m sdm_ops.mqar`` and ``python -m
     sdm_ops.demo``."""
-    parser.add_argument("--steps", type=_positive_int, default=STEPS,
-                        help=f"training steps, one fresh batch of 32 sequences each "
-                             f"(default {STEPS})")
-    parser.add_argument("--device", default=default_device(),
-                        help="device to run on (default: cuda if available, else cpu)")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="train the eager model instead of compiling it with "
-                             "torch.compile(fullgraph=True)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the model's initialization and of the training batches "
-                             "(default 0)")
-    parser.add_argument("--threads", type=_positive_int, default=None,
-                        help="CPU threads of PyTorch's operators (default: PyTorch's own, one "
-                             "a core); where other processes keep the cores busy, 1 avoids "
-                             "threads waiting on each other and runs several times faster")
-    parser.add_argument("--log-interval", type=_seconds, default=5.0, metavar="SECONDS",
-                        help="seconds between progress lines (default 5)")
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=STEPS,
+        help=f"training steps, one fresh batch of 32 sequences each (default {STEPS})",
+    )
+    parser.add_argument(
+        "--device",
+        default=default_device(),
+        help="device to run on (default: cuda if available, else cpu)",
+    )
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="train the eager model instead of compiling it with torch.compile(fullgraph=True)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model's initialization and of the training batches (default 0)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads of PyTorch's operators (default: PyTorch's own, one "
+        "a core); where other processes keep the cores busy, 1 avoids "
+        "threads waiting on each other and runs several times faster",
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between progress lines (default 5)",
+    )
 
 
 def set_threads(args: argparse.Namespace) -> None:
@@ -283,20 +355,26 @@ def set_threads(args: argparse.Namespace) -> None:
 def train_from_args(args: argparse.Namespace) -> float:
     """:func:`train` with the options of :func:`add_training_options` (``args.threads`` is
     applied by :func:`set_threads`, before anything runs)."""
-    return train(args.steps, device=args.device, compile=not args.no_compile, seed=args.seed,
-                 log_interval=args.log_interval)
+    return train(
+        args.steps,
+        device=args.device,
+        compile=not args.no_compile,
+        seed=args.seed,
+        log_interval=args.log_interval,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sdm_ops.mqar",
         description=f"Train the small SparseDeltaMemory model of sdm_ops.mqar on multi-query "
-                    f"associative recall ({MQARTask.num_pairs} key-value pairs, then "
-                    f"{MQARTask.num_queries} of the keys again; the model answers each with its "
-                    f"value) and print its recall accuracy on held-out sequences. Progress: a "
-                    f"line when compiling starts and ends, then a line every few seconds with "
-                    f"the step, loss, time elapsed and time left. The exit status is 0 when the "
-                    f"accuracy reaches {TARGET_ACCURACY}, else 1.")
+        f"associative recall ({MQARTask.num_pairs} key-value pairs, then "
+        f"{MQARTask.num_queries} of the keys again; the model answers each with its "
+        f"value) and print its recall accuracy on held-out sequences. Progress: a "
+        f"line when compiling starts and ends, then a line every few seconds with "
+        f"the step, loss, time elapsed and time left. The exit status is 0 when the "
+        f"accuracy reaches {TARGET_ACCURACY}, else 1.",
+    )
     add_training_options(parser)
     return parser
 

@@ -28,7 +28,7 @@ from .recurrence import (
 )
 
 MAX_SLOTS = 1 << 20
-DECAY_BIAS = 4.0        # sigmoid(4) ~ 0.982: slots start close to no decay
+DECAY_BIAS = 4.0  # sigmoid(4) ~ 0.982: slots start close to no decay
 
 
 class SparseDeltaMemory(nn.Module):
@@ -85,9 +85,20 @@ class SparseDeltaMemory(nn.Module):
         (torch.Size([3, 30, 64]), torch.Size([3, 2, 256, 32]))
     """
 
-    def __init__(self, d_model: int, heads: int, head_dim: int, factors: Sequence[int],
-                 read_topk: int, write_topk: int, use_decay: bool = True, chunk_size: int = 64,
-                 snapshot: str = "none", *, key_dim: int = 32):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        head_dim: int,
+        factors: Sequence[int],
+        read_topk: int,
+        write_topk: int,
+        use_decay: bool = True,
+        chunk_size: int = 64,
+        snapshot: str = "none",
+        *,
+        key_dim: int = 32,
+    ):
         super().__init__()
         check_int("d_model", d_model, low=1)
         check_int("heads", heads, low=1)
@@ -95,8 +106,9 @@ class SparseDeltaMemory(nn.Module):
         factors = check_factors(factors)
         S = math.prod(factors)
         if S > MAX_SLOTS:
-            raise ValueError(f"factors must address at most {MAX_SLOTS} slots, got "
-                             f"prod({list(factors)}) = {S}")
+            raise ValueError(
+                f"factors must address at most {MAX_SLOTS} slots, got prod({list(factors)}) = {S}"
+            )
         check_int("read_topk", read_topk, low=1, high=MAX_ENTRIES)
         check_int("write_topk", write_topk, low=1, high=MAX_ENTRIES)
         if not isinstance(use_decay, bool):
@@ -124,20 +136,23 @@ class SparseDeltaMemory(nn.Module):
         self.o_proj = nn.Linear(H * head_dim, d_model, bias=False)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, heads={self.heads}, head_dim={self.head_dim}, "
-                f"factors={self.factors}, read_topk={self.read_topk}, "
-                f"write_topk={self.write_topk}, use_decay={self.use_decay}, "
-                f"chunk_size={self.chunk_size}, snapshot={self.snapshot!r}")
+        return (
+            f"d_model={self.d_model}, heads={self.heads}, head_dim={self.head_dim}, "
+            f"factors={self.factors}, read_topk={self.read_topk}, "
+            f"write_topk={self.write_topk}, use_decay={self.use_decay}, "
+            f"chunk_size={self.chunk_size}, snapshot={self.snapshot!r}"
+        )
 
     def _scores(self, proj: nn.Linear, x: Tensor) -> Tensor:
         """x [B, T, d_model] -> raw [B, T, H, sum(factors)]: each factor's query vector dotted
         with that factor's sub-keys."""
         B, T, _ = x.shape
         q = proj(x).view(B, T, self.heads, len(self.factors), self.key_dim)
-        keys = self.sub_keys.split(self.factors, dim=1)          # [H, factors[f], key_dim] each
-        raw = [torch.einsum("bthk,hnk->bthn", q[..., f, :], keys[f])
-               for f in range(len(self.factors))]
-        return torch.cat(raw, dim=-1) * self.key_dim ** -0.5
+        keys = self.sub_keys.split(self.factors, dim=1)  # [H, factors[f], key_dim] each
+        raw = [
+            torch.einsum("bthk,hnk->bthn", q[..., f, :], keys[f]) for f in range(len(self.factors))
+        ]
+        return torch.cat(raw, dim=-1) * self.key_dim**-0.5
 
     def _address(self, proj: nn.Linear, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Slot indices [B, T, H, kk] (int64) and their softmax weights."""
@@ -152,9 +167,15 @@ class SparseDeltaMemory(nn.Module):
         decay = None
         if self.decay_proj is not None:
             decay = torch.sigmoid(self.decay_proj(x)).unsqueeze(-1).expand_as(write_w)
-        return dict(v=self.v_proj(x).view(B, T, self.heads, self.head_dim),
-                    beta=torch.sigmoid(self.b_proj(x)), write_idx=write_idx, write_w=write_w,
-                    read_idx=read_idx, read_w=read_w, decay=decay)
+        return dict(
+            v=self.v_proj(x).view(B, T, self.heads, self.head_dim),
+            beta=torch.sigmoid(self.b_proj(x)),
+            write_idx=write_idx,
+            write_w=write_w,
+            read_idx=read_idx,
+            read_w=read_w,
+            decay=decay,
+        )
 
     def _output(self, out: Tensor) -> Tensor:
         B, T = out.shape[:2]
@@ -168,18 +189,24 @@ class SparseDeltaMemory(nn.Module):
     def _check_x(self, x: Tensor) -> None:
         check_tensor("x", x, ndim=3)
         if x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [B, T, d_model = {self.d_model}], got "
-                             f"{list(x.shape)}")
-        weight = self.v_proj.weight      # x's first consumers: the projections
+            raise ValueError(
+                f"x must have shape [B, T, d_model = {self.d_model}], got {list(x.shape)}"
+            )
+        weight = self.v_proj.weight  # x's first consumers: the projections
         want = weight.dtype
         # Under autocast the projections cast x themselves: any floating dtype is accepted.
-        if x.dtype != want and not (x.is_floating_point()
-                                    and torch.is_autocast_enabled(x.device.type)):
-            raise TypeError(f"x must have the layer's parameter dtype "
-                            f"{str(want).replace('torch.', '')}, got {x.dtype}")
+        if x.dtype != want and not (
+            x.is_floating_point() and torch.is_autocast_enabled(x.device.type)
+        ):
+            raise TypeError(
+                f"x must have the layer's parameter dtype "
+                f"{str(want).replace('torch.', '')}, got {x.dtype}"
+            )
         if x.device != weight.device:
-            raise ValueError(f"x is on {x.device} but the layer's parameters are on "
-                             f"{weight.device}; x must be on the layer's device")
+            raise ValueError(
+                f"x is on {x.device} but the layer's parameters are on "
+                f"{weight.device}; x must be on the layer's device"
+            )
 
     @staticmethod
     def _check_cu_seqlens(cu_seqlens) -> None:
@@ -187,8 +214,9 @@ class SparseDeltaMemory(nn.Module):
         if cu_seqlens is not None:
             check_tensor("cu_seqlens", cu_seqlens)
 
-    def _check_state(self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None, *,
-                     inplace: bool) -> None:
+    def _check_state(
+        self, state: Tensor, x: Tensor, cu_seqlens: Tensor | None, *, inplace: bool
+    ) -> None:
         check_tensor("state", state, ndim=4, dtypes=FLOAT_DTYPES)
         if cu_seqlens is None:
             lead, what = x.shape[0], "[B, H, S, D]"
@@ -196,13 +224,19 @@ class SparseDeltaMemory(nn.Module):
             lead, what = cu_seqlens.shape[0] - 1, "[N, H, S, D] (N sequences in cu_seqlens)"
         check_shape("state", state, (lead, self.heads, self.slots, self.head_dim), what)
         if state.device != x.device:
-            raise ValueError(f"state is on {state.device} but x is on {x.device}; "
-                             "they must be on one device")
+            raise ValueError(
+                f"state is on {state.device} but x is on {x.device}; they must be on one device"
+            )
         if inplace and not state.is_contiguous():
             raise ValueError("state must be contiguous to be updated in place by step_")
 
-    def forward(self, x: Tensor, state: Tensor | None = None, return_state: bool = False,
-                cu_seqlens: Tensor | None = None):
+    def forward(
+        self,
+        x: Tensor,
+        state: Tensor | None = None,
+        return_state: bool = False,
+        cu_seqlens: Tensor | None = None,
+    ):
         """``x [B, T, d_model]`` -> ``y [B, T, d_model]``, or ``(y, final_bank [B, H, S, D])``
         with ``return_state``. With ``state [B, H, S, D]`` (a previous call's final bank) the
         recurrence continues from it instead of the learned initial bank. ``cu_seqlens``
@@ -213,10 +247,19 @@ class SparseDeltaMemory(nn.Module):
             self._check_state(state, x, cu_seqlens, inplace=False)
         a = self._inputs(x)
         bank = self.bank if state is None else state
-        out, final = sparse_delta_memory(a["v"], a["beta"], a["write_idx"], a["write_w"],
-                                         a["read_idx"], a["read_w"], bank, a["decay"],
-                                         chunk_size=self.chunk_size, snapshot=self.snapshot,
-                                         cu_seqlens=cu_seqlens)
+        out, final = sparse_delta_memory(
+            a["v"],
+            a["beta"],
+            a["write_idx"],
+            a["write_w"],
+            a["read_idx"],
+            a["read_w"],
+            bank,
+            a["decay"],
+            chunk_size=self.chunk_size,
+            snapshot=self.snapshot,
+            cu_seqlens=cu_seqlens,
+        )
         y = self._output(out)
         return (y, final) if return_state else y
 
@@ -230,7 +273,16 @@ class SparseDeltaMemory(nn.Module):
         self._check_cu_seqlens(cu_seqlens)
         self._check_state(state, x, cu_seqlens, inplace=True)
         a = self._inputs(x)
-        out = sparse_delta_memory_(a["v"], a["beta"], a["write_idx"], a["write_w"],
-                                   a["read_idx"], a["read_w"], state, a["decay"],
-                                   chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
+        out = sparse_delta_memory_(
+            a["v"],
+            a["beta"],
+            a["write_idx"],
+            a["write_w"],
+            a["read_idx"],
+            a["read_w"],
+            state,
+            a["decay"],
+            chunk_size=self.chunk_size,
+            cu_seqlens=cu_seqlens,
+        )
         return self._output(out)

@@ -73,8 +73,10 @@ def _traced(t: Tensor) -> bool:
 
 def _no_double_backward(name: str) -> None:
     if torch.is_grad_enabled():
-        raise RuntimeError(f"sdm_ops: {name} does not support double backward (its backward "
-                           "is not differentiable); do not pass create_graph=True")
+        raise RuntimeError(
+            f"sdm_ops: {name} does not support double backward (its backward "
+            "is not differentiable); do not pass create_graph=True"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -97,6 +99,7 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
     A, beta, QK = A.contiguous(), beta.contiguous(), QK.contiguous()
     if use_kernels(A):
         from .kernels import wy_solve as k
+
         X, QX = A.new_empty(A.shape), A.new_empty(A.shape)
         with on_device(A):
             k.wy_solve_fwd(A, beta, QK, X, QX)
@@ -104,23 +107,27 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
     return _wy_solve_reference(A, beta, QK)
 
 
-def _wy_solve_backward_cpu(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor,
-                           dQX: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _wy_solve_backward_cpu(
+    A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor, dQX: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm_internal::wy_solve_backward``: the reference."""
     dA, dbeta, dQK = reference.wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
     return dA.contiguous(), dbeta.contiguous(), dQK.contiguous()
 
 
 _wy_solve_backward_reference = _reference_op(
-    "wy_solve_backward", _wy_solve_backward_cpu, wy_solve_meta.wy_solve_backward_fake, ())
+    "wy_solve_backward", _wy_solve_backward_cpu, wy_solve_meta.wy_solve_backward_fake, ()
+)
 
 
 @triton_op("sdm_internal::wy_solve_backward", mutates_args=())
-def wy_solve_backward(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor,
-                      dQX: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def wy_solve_backward(
+    A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor, dQX: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dA, dbeta, dQK) of ``wy_solve`` (strict lower, [N, C], lower triangle)."""
     if use_kernels(A):
         from .kernels import wy_solve as k
+
         dA, dbeta, dQK = A.new_empty(A.shape), beta.new_empty(beta.shape), A.new_empty(A.shape)
         with on_device(A):
             k.wy_solve_bwd(A, beta, QK, X, dX, dQX, dA, dbeta, dQK)
@@ -137,8 +144,7 @@ def _wy_solve_grad(ctx, dX, dQX):
     A, beta, QK, X = ctx.saved_tensors
     dX = torch.zeros_like(X) if dX is None else dX.contiguous()
     dQX = torch.zeros_like(X) if dQX is None else dQX.contiguous()
-    return tuple(wy_solve_backward(A.contiguous(), beta.contiguous(), QK.contiguous(), X, dX,
-                                   dQX))
+    return tuple(wy_solve_backward(A.contiguous(), beta.contiguous(), QK.contiguous(), X, dX, dQX))
 
 
 wy_solve.register_fake(wy_solve_meta.wy_solve_fake)
@@ -157,7 +163,8 @@ def _product_key_topk_cpu(raw: Tensor, factors: list[int], k: int) -> tuple[Tens
 
 
 _product_key_topk_reference = _reference_op(
-    "product_key_topk", _product_key_topk_cpu, product_key_topk_meta.product_key_topk_fake, ())
+    "product_key_topk", _product_key_topk_cpu, product_key_topk_meta.product_key_topk_fake, ()
+)
 
 
 @triton_op("sdm::product_key_topk", mutates_args=())
@@ -168,39 +175,48 @@ def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, T
     shape = (*raw.shape[:-1], kk)
     if use_kernels(raw):
         from .kernels import product_key_topk as kern
+
         val = raw.new_empty(shape)
         lin = raw.new_empty(shape, dtype=torch.int64)
         with on_device(raw):
-            kern.product_key_topk_fwd(raw.reshape(-1, raw.shape[-1]), list(factors), k,
-                                      val.view(-1, kk), lin.view(-1, kk))
+            kern.product_key_topk_fwd(
+                raw.reshape(-1, raw.shape[-1]), list(factors), k, val.view(-1, kk), lin.view(-1, kk)
+            )
         return val, lin
     return _product_key_topk_reference(raw, factors, k)
 
 
-def _product_key_topk_backward_cpu(lin: Tensor, grad_val: Tensor, factors: list[int],
-                                   dtype: torch.dtype) -> Tensor:
+def _product_key_topk_backward_cpu(
+    lin: Tensor, grad_val: Tensor, factors: list[int], dtype: torch.dtype
+) -> Tensor:
     """The CPU path of ``sdm_internal::product_key_topk_backward``: the reference."""
     grad = reference.product_key_topk_backward_reference(lin, grad_val, tuple(factors))
     return grad.to(dtype).contiguous()
 
 
 _product_key_topk_backward_reference = _reference_op(
-    "product_key_topk_backward", _product_key_topk_backward_cpu,
-    product_key_topk_meta.product_key_topk_backward_fake, ())
+    "product_key_topk_backward",
+    _product_key_topk_backward_cpu,
+    product_key_topk_meta.product_key_topk_backward_fake,
+    (),
+)
 
 
 @triton_op("sdm_internal::product_key_topk_backward", mutates_args=())
-def product_key_topk_backward(lin: Tensor, grad_val: Tensor, factors: list[int],
-                              dtype: torch.dtype) -> Tensor:
+def product_key_topk_backward(
+    lin: Tensor, grad_val: Tensor, factors: list[int], dtype: torch.dtype
+) -> Tensor:
     """grad_raw [..., sum(factors)] of ``product_key_topk``, in ``dtype``."""
     width = sum(factors)
     if use_kernels(lin):
         from .kernels import product_key_topk as kern
+
         grad = grad_val.new_empty((*lin.shape[:-1], width), dtype=dtype)
         kk = lin.shape[-1]
         with on_device(lin):
-            kern.product_key_topk_bwd(lin.reshape(-1, kk), grad_val.reshape(-1, kk), list(factors),
-                                      grad.view(-1, width))
+            kern.product_key_topk_bwd(
+                lin.reshape(-1, kk), grad_val.reshape(-1, kk), list(factors), grad.view(-1, width)
+            )
         return grad
     return _product_key_topk_backward_reference(lin, grad_val, factors, dtype)
 
@@ -233,8 +249,22 @@ product_key_topk.register_autograd(_topk_grad, setup_context=_topk_setup)
 # What the functional forward keeps for its backward, in the order of its ``kept`` output:
 # phase 1's outputs, the WY solve's, phase 2's saved tensors and, for a packed batch, its chunk
 # tables (chunks, seq_chunks).
-KEPT_FOR_BACKWARD = ("A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay", "rank",
-                     "read_rank", "X", "QX", "snap", "snap_scale", "res", "delta")
+KEPT_FOR_BACKWARD = (
+    "A",
+    "QK",
+    "gather_w",
+    "gather_r",
+    "scatter_w",
+    "row_decay",
+    "rank",
+    "read_rank",
+    "X",
+    "QX",
+    "snap",
+    "snap_scale",
+    "res",
+    "delta",
+)
 
 
 def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
@@ -253,13 +283,14 @@ def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) ->
     if T == 0:
         return beta.new_zeros(H * NC, C, dtype=wd)
     i = torch.arange(C, device=beta.device)
-    tok = (chunks[:, :1] + i).clamp(max=T - 1)                                    # [NC, C]
+    tok = (chunks[:, :1] + i).clamp(max=T - 1)  # [NC, C]
     x = torch.where((i < chunks[:, 1:])[..., None], beta[0].to(wd)[tok], 0.0)
     return x.permute(2, 0, 1).reshape(H * NC, C)
 
 
-def _chunk_betas_backward(dbetas: Tensor, beta: Tensor, chunk_size: int,
-                          chunks: Tensor | None = None) -> Tensor | None:
+def _chunk_betas_backward(
+    dbetas: Tensor, beta: Tensor, chunk_size: int, chunks: Tensor | None = None
+) -> Tensor | None:
     """The gradient of ``beta`` through ``_chunk_betas``, in beta's dtype, from ``dbetas`` (its
     output's): what autograd computes through it (the same copies; for a packed batch the same
     accumulation, where each token receives its one value and zeros). None when beta does not
@@ -273,7 +304,7 @@ def _chunk_betas_backward(dbetas: Tensor, beta: Tensor, chunk_size: int,
     if T == 0:
         return None
     i = torch.arange(C, device=beta.device)
-    tok = (chunks[:, :1] + i).clamp(max=T - 1)                                    # [NC, C]
+    tok = (chunks[:, :1] + i).clamp(max=T - 1)  # [NC, C]
     g = torch.where((i < chunks[:, 1:])[..., None], dbetas.view(H, NC, C).permute(1, 2, 0), 0.0)
     return g.new_zeros(T, H).index_put_((tok,), g, accumulate=True).to(beta.dtype)[None]
 
@@ -281,10 +312,20 @@ def _chunk_betas_backward(dbetas: Tensor, beta: Tensor, chunk_size: int,
 def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
     """Phase 1 and the WY solve: (chunk_prepare's outputs, X, QX as [lead, H, N, C, C],
     (chunks, seq_chunks)); the chunk tables are None without ``cu_seqlens``."""
-    chunks, seq_chunks = (None, None) if cu_seqlens is None else varlen_chunks(
-        cu_seqlens, v.shape[1], C)
-    prep = chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows=S, chunk_size=C,
-                         chunks=chunks, seq_chunks=seq_chunks)
+    chunks, seq_chunks = (
+        (None, None) if cu_seqlens is None else varlen_chunks(cu_seqlens, v.shape[1], C)
+    )
+    prep = chunk_prepare(
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        decay,
+        bank_rows=S,
+        chunk_size=C,
+        chunks=chunks,
+        seq_chunks=seq_chunks,
+    )
     A, QK = prep[0], prep[1]
     X, QX = wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C))
     return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
@@ -308,8 +349,12 @@ def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.c
     whole SMs free. Eager calls and CUDA-graph captures (where the fork becomes two branches of
     the graph) take it; on the CPU, while traced (Inductor schedules one stream) and for a
     bank of more than ``_COPY_BESIDE_BYTES`` a chunk, the copy runs in order, ``side`` None."""
-    if (not bank.is_cuda or _traced(bank) or banks * bank.shape[-3:].numel()
-            * bank.element_size() > _COPY_BESIDE_BYTES * max(chunks, 1)):
+    if (
+        not bank.is_cuda
+        or _traced(bank)
+        or banks * bank.shape[-3:].numel() * bank.element_size()
+        > _COPY_BESIDE_BYTES * max(chunks, 1)
+    ):
         return bank_copy(bank, banks), None
     dev = bank.device
     side = _side_streams.get(dev.index)
@@ -320,44 +365,82 @@ def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.c
     side.wait_stream(here)
     with torch.cuda.stream(side):
         bank_out = bank_copy(bank, banks, programs)
-    bank_out.record_stream(here)      # allocated on side, used and freed on here
+    bank_out.record_stream(here)  # allocated on side, used and freed on here
     return bank_out, side
 
 
 @triton_op("sdm::sparse_delta_memory", mutates_args=())
-def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
-                        read_idx: Tensor, read_w: Tensor, bank: Tensor,
-                        decay: Tensor | None = None, chunk_size: int = 64,
-                        snapshot: str = "none", cu_seqlens: Tensor | None = None, *,
-                        keep_for_backward: bool = True) -> tuple[Tensor, Tensor, list[Tensor]]:
+def sparse_delta_memory(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    bank: Tensor,
+    decay: Tensor | None = None,
+    chunk_size: int = 64,
+    snapshot: str = "none",
+    cu_seqlens: Tensor | None = None,
+    *,
+    keep_for_backward: bool = True,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
     """The recurrence of ``sdm_ops.sparse_delta_memory``: (out, bank_out, kept). With
     ``keep_for_backward`` phase 2 keeps the snapshots (``snapshot``) and ``kept`` holds what the
     backward reads (``KEPT_FOR_BACKWARD``); without it (what the public function passes when no
     input requires grad) nothing is kept, ``kept`` is empty and phase 2 runs in place on a copy
     of the bank, made on a second stream beside phase 1 and the WY solve on the GPU."""
     v, beta, write_idx, write_w, read_idx, read_w, bank = (
-        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank))
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank)
+    )
     decay = None if decay is None else decay.contiguous()
     B, T, H, _ = v.shape
     S, C = bank.shape[-2], chunk_size
     if not keep_for_backward:
         banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         bank_out, side = _copy_beside(bank, banks, B * H * -(-T // C))
-    prep, X, QX, (chunks, seq_chunks) = _phase1(v, beta, write_idx, write_w, read_idx, read_w,
-                                                decay, S, C, cu_seqlens)
+    prep, X, QX, (chunks, seq_chunks) = _phase1(
+        v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens
+    )
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
     if not keep_for_backward:
         if side is not None:
             torch.cuda.current_stream(bank.device).wait_stream(side)
         out = recurrence_fwd_(
-            bank_out, v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r,
-            scatter_w=scatter_w, row_decay=row_decay, rank=rank, X=X, QX=QX, chunks=chunks,
-            seq_chunks=seq_chunks)
+            bank_out,
+            v,
+            beta,
+            write_idx,
+            read_idx,
+            gather_w=gather_w,
+            gather_r=gather_r,
+            scatter_w=scatter_w,
+            row_decay=row_decay,
+            rank=rank,
+            X=X,
+            QX=QX,
+            chunks=chunks,
+            seq_chunks=seq_chunks,
+        )
         return out, bank_out, []
     out, bank_out, *saved = recurrence_fwd(
-        v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r, scatter_w=scatter_w,
-        row_decay=row_decay, rank=rank, read_rank=read_rank, X=X, QX=QX, bank=bank,
-        snapshot=snapshot, chunks=chunks, seq_chunks=seq_chunks)
+        v,
+        beta,
+        write_idx,
+        read_idx,
+        gather_w=gather_w,
+        gather_r=gather_r,
+        scatter_w=scatter_w,
+        row_decay=row_decay,
+        rank=rank,
+        read_rank=read_rank,
+        X=X,
+        QX=QX,
+        bank=bank,
+        snapshot=snapshot,
+        chunks=chunks,
+        seq_chunks=seq_chunks,
+    )
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
         kept += [chunks, seq_chunks]
@@ -388,24 +471,63 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         raise RuntimeError(
             "sdm::sparse_delta_memory ran with keep_for_backward=False, which keeps nothing for "
             "a backward; call it with keep_for_backward=True to differentiate it "
-            "(sdm_ops.sparse_delta_memory does so whenever an input requires grad)")
-    (beta, write_idx, write_w, read_idx, read_w, decay, A, QK, gather_w, gather_r, scatter_w,
-     row_decay, rank, read_rank, X, QX, snap, snap_scale, res, delta,
-     *tables) = ctx.saved_tensors
+            "(sdm_ops.sparse_delta_memory does so whenever an input requires grad)"
+        )
+    (
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        decay,
+        A,
+        QK,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+        X,
+        QX,
+        snap,
+        snap_scale,
+        res,
+        delta,
+        *tables,
+    ) = ctx.saved_tensors
     chunks, seq_chunks = tables or (None, None)
     beta, write_idx, write_w, read_idx, read_w = (
-        t.contiguous() for t in (beta, write_idx, write_w, read_idx, read_w))
+        t.contiguous() for t in (beta, write_idx, write_w, read_idx, read_w)
+    )
     decay = None if decay is None else decay.contiguous()
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = recurrence_bwd(
-        beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r, scatter_w=scatter_w,
-        row_decay=row_decay, rank=rank, read_rank=read_rank, X=X, QX=QX, res=res, delta=delta,
-        bank_rows=ctx.bank_rows, snap=snap, snap_scale=snap_scale,
-        snapshot=ctx.snapshot, dout=None if dout is None else dout.contiguous(),
-        dbank_out=None if dbank_out is None else dbank_out.contiguous(), v_dtype=ctx.v_dtype,
-        chunks=chunks, seq_chunks=seq_chunks)
+        beta,
+        write_idx,
+        read_idx,
+        gather_w=gather_w,
+        gather_r=gather_r,
+        scatter_w=scatter_w,
+        row_decay=row_decay,
+        rank=rank,
+        read_rank=read_rank,
+        X=X,
+        QX=QX,
+        res=res,
+        delta=delta,
+        bank_rows=ctx.bank_rows,
+        snap=snap,
+        snap_scale=snap_scale,
+        snapshot=ctx.snapshot,
+        dout=None if dout is None else dout.contiguous(),
+        dbank_out=None if dbank_out is None else dbank_out.contiguous(),
+        v_dtype=ctx.v_dtype,
+        chunks=chunks,
+        seq_chunks=seq_chunks,
+    )
     bank_dim, bank_dtype = ctx.bank_meta
     if bank_dim == 3:
         dbank = dbank.sum(0)
@@ -414,29 +536,52 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     if needs[1] or needs[3] or needs[5] or needs[7]:
         C = ctx.chunk_size
         dA, dbetas, dQK = wy_solve_backward(
-            A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C), X.view(-1, C, C),
-            dX.view(-1, C, C), dQX.view(-1, C, C))
+            A.view(-1, C, C),
+            _chunk_betas(beta, C, chunks),
+            QK.view(-1, C, C),
+            X.view(-1, C, C),
+            dX.view(-1, C, C),
+            dQX.view(-1, C, C),
+        )
         through_chunks = _chunk_betas_backward(dbetas, beta, C, chunks) if needs[1] else None
         if through_chunks is not None:
             dbeta = dbeta + through_chunks
         if needs[3] or needs[5] or needs[7]:
             wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
             dww, drw, ddc = chunk_prepare_backward(
-                write_idx, write_w, read_idx, read_w, decay, bank_rows=ctx.bank_rows,
-                dA=dA.view(A.shape).to(wd), dQK=dQK.view(A.shape).to(wd),
-                d_gather_w=dgw.to(wd), d_gather_r=dgr.to(wd), d_scatter_w=dsw.to(wd),
-                d_row_decay=drd.to(wd), chunks=chunks, seq_chunks=seq_chunks)
-    grads = (dv if needs[0] else None, dbeta if needs[1] else None, None,
-             dww.to(write_w.dtype) if needs[3] else None, None,
-             drw.to(read_w.dtype) if needs[5] else None, dbank.to(bank_dtype) if needs[6] else None,
-             ddc.to(decay.dtype) if needs[7] else None)
+                write_idx,
+                write_w,
+                read_idx,
+                read_w,
+                decay,
+                bank_rows=ctx.bank_rows,
+                dA=dA.view(A.shape).to(wd),
+                dQK=dQK.view(A.shape).to(wd),
+                d_gather_w=dgw.to(wd),
+                d_gather_r=dgr.to(wd),
+                d_scatter_w=dsw.to(wd),
+                d_row_decay=drd.to(wd),
+                chunks=chunks,
+                seq_chunks=seq_chunks,
+            )
+    grads = (
+        dv if needs[0] else None,
+        dbeta if needs[1] else None,
+        None,
+        dww.to(write_w.dtype) if needs[3] else None,
+        None,
+        drw.to(read_w.dtype) if needs[5] else None,
+        dbank.to(bank_dtype) if needs[6] else None,
+        ddc.to(decay.dtype) if needs[7] else None,
+    )
     # One gradient for each argument the dispatcher passed (chunk_size and the others get None).
-    return (grads + (None,) * 3)[:len(ctx.needs_input_grad)]
+    return (grads + (None,) * 3)[: len(ctx.needs_input_grad)]
 
 
 sparse_delta_memory.register_fake(recurrence_meta.sparse_delta_memory_fake)
-sparse_delta_memory.register_autograd(_sparse_delta_memory_grad,
-                                      setup_context=_sparse_delta_memory_setup)
+sparse_delta_memory.register_autograd(
+    _sparse_delta_memory_grad, setup_context=_sparse_delta_memory_setup
+)
 
 
 def _inplace_chunk_size(T, chunk_size: int):
@@ -449,31 +594,61 @@ def _inplace_chunk_size(T, chunk_size: int):
 
 
 @triton_op("sdm::sparse_delta_memory_", mutates_args=("bank",))
-def sparse_delta_memory_(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
-                         read_idx: Tensor, read_w: Tensor, bank: Tensor,
-                         decay: Tensor | None = None, chunk_size: int = 64,
-                         cu_seqlens: Tensor | None = None) -> Tensor:
+def sparse_delta_memory_(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    bank: Tensor,
+    decay: Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
     """The recurrence of ``sdm_ops.sparse_delta_memory_``, updating ``bank`` [B, H, S, D] in
     place and keeping nothing for a backward; returns out. One token per stream (T = 1, no
     ``cu_seqlens``) is one decode step (``decode_step_``); a sequence shorter than
     ``chunk_size`` runs in chunks of the smallest size that holds it (``_inplace_chunk_size``)."""
     v, beta, write_idx, write_w, read_idx, read_w = (
-        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w))
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w)
+    )
     decay = None if decay is None else decay.contiguous()
     state = bank.contiguous()
     T = v.shape[1]
-    if T == 1 and cu_seqlens is None:       # a decode step: one kernel, no chunk machinery
+    if T == 1 and cu_seqlens is None:  # a decode step: one kernel, no chunk machinery
         out = decode_step_(state, v, beta, write_idx, write_w, read_idx, read_w, decay)
     else:
         prep, X, QX, (chunks, seq_chunks) = _phase1(
-            v, beta, write_idx, write_w, read_idx, read_w, decay, bank.shape[-2],
-            _inplace_chunk_size(T, chunk_size), cu_seqlens)
+            v,
+            beta,
+            write_idx,
+            write_w,
+            read_idx,
+            read_w,
+            decay,
+            bank.shape[-2],
+            _inplace_chunk_size(T, chunk_size),
+            cu_seqlens,
+        )
         _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
         out = recurrence_fwd_(
-            state, v, beta, write_idx, read_idx, gather_w=gather_w, gather_r=gather_r,
-            scatter_w=scatter_w, row_decay=row_decay, rank=rank, X=X, QX=QX, chunks=chunks,
-            seq_chunks=seq_chunks)
-    if state is not bank:       # a bank of another dense layout: updated through a copy
+            state,
+            v,
+            beta,
+            write_idx,
+            read_idx,
+            gather_w=gather_w,
+            gather_r=gather_r,
+            scatter_w=scatter_w,
+            row_decay=row_decay,
+            rank=rank,
+            X=X,
+            QX=QX,
+            chunks=chunks,
+            seq_chunks=seq_chunks,
+        )
+    if state is not bank:  # a bank of another dense layout: updated through a copy
         bank.copy_(state)
     return out
 
@@ -493,7 +668,8 @@ def _varlen_chunks_cpu(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Ten
 
 
 _varlen_chunks_reference = _reference_op(
-    "varlen_chunks", _varlen_chunks_cpu, recurrence_meta.varlen_chunks_fake, ())
+    "varlen_chunks", _varlen_chunks_cpu, recurrence_meta.varlen_chunks_fake, ()
+)
 
 
 @triton_op("sdm_internal::varlen_chunks", mutates_args=())
@@ -503,6 +679,7 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
     tables inside the batch, so compiled code needs no check of ``cu_seqlens``)."""
     if use_kernels(cu_seqlens):
         from .kernels import varlen as k
+
         chunks, seq_chunks = recurrence_meta.varlen_chunks_fake(cu_seqlens, T, chunk_size)
         with on_device(cu_seqlens):
             k.varlen_chunks(cu_seqlens, T, chunk_size, chunks, seq_chunks)
@@ -513,44 +690,64 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
 varlen_chunks.register_fake(recurrence_meta.varlen_chunks_fake)
 
 
-def _chunk_prepare_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
-                       decay: Tensor | None, bank_rows: int, chunk_size: int,
-                       chunks: Tensor | None = None, seq_chunks: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _chunk_prepare_cpu(
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    bank_rows: int,
+    chunk_size: int,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm_internal::chunk_prepare``: the reference."""
     if chunks is not None:
-        prep = reference.chunk_prepare_varlen_reference(write_idx, write_w, read_idx, read_w,
-                                                        decay, bank_rows, chunk_size, chunks,
-                                                        seq_chunks)
+        prep = reference.chunk_prepare_varlen_reference(
+            write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks, seq_chunks
+        )
     else:
-        prep = reference.chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay,
-                                                 bank_rows, chunk_size)
+        prep = reference.chunk_prepare_reference(
+            write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size
+        )
     return tuple(x.contiguous() for x in prep)
 
 
 _chunk_prepare_reference = _reference_op(
-    "chunk_prepare", _chunk_prepare_cpu, recurrence_meta.chunk_prepare_fake, ())
+    "chunk_prepare", _chunk_prepare_cpu, recurrence_meta.chunk_prepare_fake, ()
+)
 
 
 @triton_op("sdm_internal::chunk_prepare", mutates_args=())
-def chunk_prepare(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
-                  decay: Tensor | None, bank_rows: int, chunk_size: int,
-                  chunks: Tensor | None = None, seq_chunks: Tensor | None = None
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def chunk_prepare(
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    bank_rows: int,
+    chunk_size: int,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 1: (A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank); see
     ``kernels/chunk_prepare.py`` for the math and layouts. ``chunks`` and ``seq_chunks``
     (``reference.varlen_chunks``) describe a packed batch, None otherwise (every operator of
     the recurrence takes them)."""
     if use_kernels(write_idx):
         from .kernels import chunk_prepare as k
-        outs = recurrence_meta.chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay,
-                                                  bank_rows, chunk_size, chunks, seq_chunks)
+
+        outs = recurrence_meta.chunk_prepare_fake(
+            write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks, seq_chunks
+        )
         with on_device(write_idx):
-            k.chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size,
-                            chunks, *outs)
+            k.chunk_prepare(
+                write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks, *outs
+            )
         return outs
-    return _chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows,
-                                    chunk_size, chunks, seq_chunks)
+    return _chunk_prepare_reference(
+        write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks, seq_chunks
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -575,6 +772,7 @@ def bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
     (the same result)."""
     if use_kernels(bank):
         from .kernels import bank_copy as k
+
         bank_out = recurrence_meta.bank_copy_fake(bank, banks, programs)
         with on_device(bank):
             k.bank_copy(bank, bank_out, programs)
@@ -585,35 +783,69 @@ def bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
 bank_copy.register_fake(recurrence_meta.bank_copy_fake)
 
 
-def _recurrence_fwd_cpu(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
-                        gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
-                        rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
-                        snapshot: str, chunks: Tensor | None = None,
-                        seq_chunks: Tensor | None = None
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _recurrence_fwd_cpu(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    read_idx: Tensor,
+    gather_w: Tensor,
+    gather_r: Tensor,
+    scatter_w: Tensor,
+    row_decay: Tensor,
+    rank: Tensor,
+    read_rank: Tensor,
+    X: Tensor,
+    QX: Tensor,
+    bank: Tensor,
+    snapshot: str,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm_internal::recurrence_fwd``: the reference."""
     prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     if chunks is not None:
-        res = reference.recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep, X, QX,
-                                                        bank, snapshot, chunks, seq_chunks)
+        res = reference.recurrence_fwd_varlen_reference(
+            v, beta, write_idx, read_idx, prep, X, QX, bank, snapshot, chunks, seq_chunks
+        )
     else:
-        res = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank,
-                                                 snapshot)
+        res = reference.recurrence_fwd_reference(
+            v, beta, write_idx, read_idx, prep, X, QX, bank, snapshot
+        )
     out, bank_out, snap, snap_scale, resid, delta = res
-    return (out.to(v.dtype).contiguous(), bank_out.to(bank.dtype).contiguous(), snap.contiguous(),
-            snap_scale.contiguous(), resid.contiguous(), delta.contiguous())
+    return (
+        out.to(v.dtype).contiguous(),
+        bank_out.to(bank.dtype).contiguous(),
+        snap.contiguous(),
+        snap_scale.contiguous(),
+        resid.contiguous(),
+        delta.contiguous(),
+    )
 
 
 _recurrence_fwd_reference = _reference_op(
-    "recurrence_fwd", _recurrence_fwd_cpu, recurrence_meta.recurrence_fwd_fake, ())
+    "recurrence_fwd", _recurrence_fwd_cpu, recurrence_meta.recurrence_fwd_fake, ()
+)
 
 
 @triton_op("sdm_internal::recurrence_fwd", mutates_args=())
-def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
-                   gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
-                   rank: Tensor, read_rank: Tensor, X: Tensor, QX: Tensor, bank: Tensor,
-                   snapshot: str, chunks: Tensor | None = None, seq_chunks: Tensor | None = None
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def recurrence_fwd(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    read_idx: Tensor,
+    gather_w: Tensor,
+    gather_r: Tensor,
+    scatter_w: Tensor,
+    row_decay: Tensor,
+    rank: Tensor,
+    read_rank: Tensor,
+    X: Tensor,
+    QX: Tensor,
+    bank: Tensor,
+    snapshot: str,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 2: (out, bank_out, snap, snap_scale, res, delta) from the initial ``bank``
     ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``. ``read_rank`` is
     not read here: it is an input so that the backward has it. The kernels copy into bank_out
@@ -622,72 +854,195 @@ def recurrence_fwd(v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
     if use_kernels(v):
         from .kernels import bank_copy as kc
         from .kernels import recurrence_fwd as k
+
         out, bank_out, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
-            v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-            read_rank, X, QX, bank, snapshot, chunks, seq_chunks)
-        first = write_idx.new_empty(bank_out.shape[:2].numel(), bank_out.shape[2],
-                                    dtype=torch.int32)
+            v,
+            beta,
+            write_idx,
+            read_idx,
+            gather_w,
+            gather_r,
+            scatter_w,
+            row_decay,
+            rank,
+            read_rank,
+            X,
+            QX,
+            bank,
+            snapshot,
+            chunks,
+            seq_chunks,
+        )
+        first = write_idx.new_empty(
+            bank_out.shape[:2].numel(), bank_out.shape[2], dtype=torch.int32
+        )
         with on_device(v):
             # Phase 2 reads each row from the input bank until its stream first writes it, so
             # only the rows that no chunk writes are copied.
             kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
             kc.bank_copy_unwritten(bank, bank_out, first)
-            k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                             rank, X, QX, bank_out, out, res, delta, snap, snap_scale, snapshot,
-                             chunks, seq_chunks, bank, first)
+            k.recurrence_fwd(
+                v,
+                beta,
+                write_idx,
+                read_idx,
+                gather_w,
+                gather_r,
+                scatter_w,
+                row_decay,
+                rank,
+                X,
+                QX,
+                bank_out,
+                out,
+                res,
+                delta,
+                snap,
+                snap_scale,
+                snapshot,
+                chunks,
+                seq_chunks,
+                bank,
+                first,
+            )
         return out, bank_out, snap, snap_scale, res, delta
-    return _recurrence_fwd_reference(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
-                                     row_decay, rank, read_rank, X, QX, bank, snapshot, chunks,
-                                     seq_chunks)
+    return _recurrence_fwd_reference(
+        v,
+        beta,
+        write_idx,
+        read_idx,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+        X,
+        QX,
+        bank,
+        snapshot,
+        chunks,
+        seq_chunks,
+    )
 
 
-def _recurrence_fwd_inplace_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor,
-                                read_idx: Tensor, gather_w: Tensor, gather_r: Tensor,
-                                scatter_w: Tensor, row_decay: Tensor, rank: Tensor, X: Tensor,
-                                QX: Tensor, chunks: Tensor | None = None,
-                                seq_chunks: Tensor | None = None) -> Tensor:
+def _recurrence_fwd_inplace_cpu(
+    bank: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    read_idx: Tensor,
+    gather_w: Tensor,
+    gather_r: Tensor,
+    scatter_w: Tensor,
+    row_decay: Tensor,
+    rank: Tensor,
+    X: Tensor,
+    QX: Tensor,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> Tensor:
     """The CPU path of ``sdm_internal::recurrence_fwd_``: the reference."""
     prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
     if chunks is not None:
         out, bank_out = reference.recurrence_fwd_varlen_reference(
-            v, beta, write_idx, read_idx, prep, X, QX, bank, "none", chunks, seq_chunks)[:2]
+            v, beta, write_idx, read_idx, prep, X, QX, bank, "none", chunks, seq_chunks
+        )[:2]
     else:
-        out, bank_out = reference.recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X,
-                                                           QX, bank)[:2]
+        out, bank_out = reference.recurrence_fwd_reference(
+            v, beta, write_idx, read_idx, prep, X, QX, bank
+        )[:2]
     bank.copy_(bank_out)
     return out.to(v.dtype).contiguous()
 
 
 _recurrence_fwd_inplace_reference = _reference_op(
-    "recurrence_fwd_inplace", _recurrence_fwd_inplace_cpu,
-    recurrence_meta.recurrence_fwd_inplace_fake, ("bank",))
+    "recurrence_fwd_inplace",
+    _recurrence_fwd_inplace_cpu,
+    recurrence_meta.recurrence_fwd_inplace_fake,
+    ("bank",),
+)
 
 
 @triton_op("sdm_internal::recurrence_fwd_", mutates_args=("bank",))
-def recurrence_fwd_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, read_idx: Tensor,
-                    gather_w: Tensor, gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor,
-                    rank: Tensor, X: Tensor, QX: Tensor, chunks: Tensor | None = None,
-                    seq_chunks: Tensor | None = None) -> Tensor:
+def recurrence_fwd_(
+    bank: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    read_idx: Tensor,
+    gather_w: Tensor,
+    gather_r: Tensor,
+    scatter_w: Tensor,
+    row_decay: Tensor,
+    rank: Tensor,
+    X: Tensor,
+    QX: Tensor,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> Tensor:
     """Phase 2 updating ``bank`` [B, H, S, D] in place, keeping nothing for a backward; returns
     out [B, T, H, D] in v's dtype."""
     if use_kernels(v):
         from .kernels import recurrence_fwd as k
+
         out = v.new_empty(v.shape)
         with on_device(v):
-            k.recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                             rank, X, QX, bank, out, None, None, None, None, None, chunks,
-                             seq_chunks)
+            k.recurrence_fwd(
+                v,
+                beta,
+                write_idx,
+                read_idx,
+                gather_w,
+                gather_r,
+                scatter_w,
+                row_decay,
+                rank,
+                X,
+                QX,
+                bank,
+                out,
+                None,
+                None,
+                None,
+                None,
+                None,
+                chunks,
+                seq_chunks,
+            )
         return out
-    return _recurrence_fwd_inplace_reference(bank, v, beta, write_idx, read_idx, gather_w,
-                                             gather_r, scatter_w, row_decay, rank, X, QX, chunks,
-                                             seq_chunks)
+    return _recurrence_fwd_inplace_reference(
+        bank,
+        v,
+        beta,
+        write_idx,
+        read_idx,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        X,
+        QX,
+        chunks,
+        seq_chunks,
+    )
 
 
-def _decode_step_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
-                     read_idx: Tensor, read_w: Tensor, decay: Tensor | None = None) -> Tensor:
+def _decode_step_cpu(
+    bank: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None = None,
+) -> Tensor:
     """The CPU path of ``sdm_internal::decode_step_``: the reference, stored into ``bank``."""
-    out, new, slot = reference.decode_step_reference(bank, v, beta, write_idx, write_w, read_idx,
-                                                     read_w, decay)
+    out, new, slot = reference.decode_step_reference(
+        bank, v, beta, write_idx, write_w, read_idx, read_w, decay
+    )
     B, H, S, D = bank.shape
     slot = slot.reshape(B * H, -1)
     keep = slot >= 0
@@ -699,16 +1054,26 @@ def _decode_step_cpu(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, w
 
 
 _decode_step_reference = _reference_op(
-    "decode_step_inplace", _decode_step_cpu, recurrence_meta.decode_step_fake, ("bank",))
+    "decode_step_inplace", _decode_step_cpu, recurrence_meta.decode_step_fake, ("bank",)
+)
 
 
 @triton_op("sdm_internal::decode_step_", mutates_args=("bank",))
-def decode_step_(bank: Tensor, v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
-                 read_idx: Tensor, read_w: Tensor, decay: Tensor | None = None) -> Tensor:
+def decode_step_(
+    bank: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None = None,
+) -> Tensor:
     """One token (T = 1) of the recurrence on every stream of ``bank`` [B, H, S, D], in place
     and in one launch; returns out [B, 1, H, D] in v's dtype. See ``kernels/decode_step.py``."""
     if use_kernels(v):
         from .kernels import decode_step as k
+
         out = v.new_empty(v.shape)
         with on_device(v):
             k.decode_step(bank, v, beta, write_idx, write_w, read_idx, read_w, decay, out)
@@ -727,20 +1092,51 @@ decode_step_.register_fake(recurrence_meta.decode_step_fake)
 # ---------------------------------------------------------------------------
 
 
-def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
-                        gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
-                        read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
-                        bank_rows: int, snap: Tensor, snap_scale: Tensor, snapshot: str,
-                        dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype,
-                        chunks: Tensor | None = None, seq_chunks: Tensor | None = None
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                   Tensor]:
+def _recurrence_bwd_cpu(
+    beta: Tensor,
+    write_idx: Tensor,
+    read_idx: Tensor,
+    gather_w: Tensor,
+    gather_r: Tensor,
+    scatter_w: Tensor,
+    row_decay: Tensor,
+    rank: Tensor,
+    read_rank: Tensor,
+    X: Tensor,
+    QX: Tensor,
+    res: Tensor,
+    delta: Tensor,
+    bank_rows: int,
+    snap: Tensor,
+    snap_scale: Tensor,
+    snapshot: str,
+    dout: Tensor | None,
+    dbank_out: Tensor | None,
+    v_dtype: torch.dtype,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm_internal::recurrence_bwd``: the reference."""
     prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
     B, T, H, D = res.shape
     v_like = res.new_empty((B, T, H, D))
-    args = (v_like, beta, write_idx, read_idx, prep, X, QX, bank_rows, snap, snap_scale, snapshot,
-            res, delta, dout, dbank_out)
+    args = (
+        v_like,
+        beta,
+        write_idx,
+        read_idx,
+        prep,
+        X,
+        QX,
+        bank_rows,
+        snap,
+        snap_scale,
+        snapshot,
+        res,
+        delta,
+        dout,
+        dbank_out,
+    )
     if chunks is not None:
         grads = reference.recurrence_bwd_varlen_reference(*args, chunks, seq_chunks)
     else:
@@ -750,18 +1146,35 @@ def _recurrence_bwd_cpu(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gathe
 
 
 _recurrence_bwd_reference = _reference_op(
-    "recurrence_bwd", _recurrence_bwd_cpu, recurrence_meta.recurrence_bwd_fake, ())
+    "recurrence_bwd", _recurrence_bwd_cpu, recurrence_meta.recurrence_bwd_fake, ()
+)
 
 
 @triton_op("sdm_internal::recurrence_bwd", mutates_args=())
-def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: Tensor,
-                   gather_r: Tensor, scatter_w: Tensor, row_decay: Tensor, rank: Tensor,
-                   read_rank: Tensor, X: Tensor, QX: Tensor, res: Tensor, delta: Tensor,
-                   bank_rows: int, snap: Tensor, snap_scale: Tensor, snapshot: str,
-                   dout: Tensor | None, dbank_out: Tensor | None, v_dtype: torch.dtype,
-                   chunks: Tensor | None = None, seq_chunks: Tensor | None = None
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                              Tensor]:
+def recurrence_bwd(
+    beta: Tensor,
+    write_idx: Tensor,
+    read_idx: Tensor,
+    gather_w: Tensor,
+    gather_r: Tensor,
+    scatter_w: Tensor,
+    row_decay: Tensor,
+    rank: Tensor,
+    read_rank: Tensor,
+    X: Tensor,
+    QX: Tensor,
+    res: Tensor,
+    delta: Tensor,
+    bank_rows: int,
+    snap: Tensor,
+    snap_scale: Tensor,
+    snapshot: str,
+    dout: Tensor | None,
+    dbank_out: Tensor | None,
+    v_dtype: torch.dtype,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward of ``sdm_internal::recurrence_fwd`` from its saved tensors (the bank itself is not
     needed: ``snap`` holds every row the backward reads; ``bank_rows`` is S): (dv, dbeta,
     dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D] float32); see
@@ -769,38 +1182,123 @@ def recurrence_bwd(beta: Tensor, write_idx: Tensor, read_idx: Tensor, gather_w: 
     if use_kernels(res):
         from .kernels import bank_copy as kc
         from .kernels import recurrence_bwd as k
+
         dv, dbeta, _, _, _, _, dX, dQX, dbank = recurrence_meta.recurrence_bwd_fake(
-            beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, res, delta, bank_rows, snap, snap_scale, snapshot, dout, dbank_out, v_dtype,
-            chunks, seq_chunks)
+            beta,
+            write_idx,
+            read_idx,
+            gather_w,
+            gather_r,
+            scatter_w,
+            row_decay,
+            rank,
+            read_rank,
+            X,
+            QX,
+            res,
+            delta,
+            bank_rows,
+            snap,
+            snap_scale,
+            snapshot,
+            dout,
+            dbank_out,
+            v_dtype,
+            chunks,
+            seq_chunks,
+        )
         with on_device(res):
             if dbank_out is None:
                 dbank.zero_()
             else:
                 kc.bank_copy(dbank_out, dbank)
             dgw, dgr, dsw, drd = k.recurrence_bwd(
-                beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-                read_rank, X, QX, res, delta, snap, snap_scale, snapshot, dout, dbank, dv, dX,
-                dQX, dbeta, chunks, seq_chunks)
+                beta,
+                write_idx,
+                read_idx,
+                gather_w,
+                gather_r,
+                scatter_w,
+                row_decay,
+                rank,
+                read_rank,
+                X,
+                QX,
+                res,
+                delta,
+                snap,
+                snap_scale,
+                snapshot,
+                dout,
+                dbank,
+                dv,
+                dX,
+                dQX,
+                dbeta,
+                chunks,
+                seq_chunks,
+            )
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
-    return _recurrence_bwd_reference(beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
-                                     row_decay, rank, read_rank, X, QX, res, delta, bank_rows, snap,
-                                     snap_scale, snapshot, dout, dbank_out, v_dtype, chunks,
-                                     seq_chunks)
+    return _recurrence_bwd_reference(
+        beta,
+        write_idx,
+        read_idx,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+        X,
+        QX,
+        res,
+        delta,
+        bank_rows,
+        snap,
+        snap_scale,
+        snapshot,
+        dout,
+        dbank_out,
+        v_dtype,
+        chunks,
+        seq_chunks,
+    )
 
 
 recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
 
 
-def _chunk_prepare_backward_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Tensor,
-                                read_w: Tensor, decay: Tensor | None, bank_rows: int, dA: Tensor,
-                                dQK: Tensor, d_gather_w: Tensor, d_gather_r: Tensor,
-                                d_scatter_w: Tensor, d_row_decay: Tensor,
-                                chunks: Tensor | None = None, seq_chunks: Tensor | None = None
-                                ) -> tuple[Tensor, Tensor, Tensor]:
+def _chunk_prepare_backward_cpu(
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    bank_rows: int,
+    dA: Tensor,
+    dQK: Tensor,
+    d_gather_w: Tensor,
+    d_gather_r: Tensor,
+    d_scatter_w: Tensor,
+    d_row_decay: Tensor,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """The CPU path of ``sdm_internal::chunk_prepare_backward``: the reference."""
-    args = (write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w,
-            d_gather_r, d_scatter_w, d_row_decay)
+    args = (
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        decay,
+        bank_rows,
+        dA,
+        dQK,
+        d_gather_w,
+        d_gather_r,
+        d_scatter_w,
+        d_row_decay,
+    )
     if chunks is not None:
         dww, drw, ddc = reference.chunk_prepare_backward_varlen_reference(*args, chunks, seq_chunks)
     else:
@@ -810,31 +1308,87 @@ def _chunk_prepare_backward_cpu(write_idx: Tensor, write_w: Tensor, read_idx: Te
 
 
 _chunk_prepare_backward_reference = _reference_op(
-    "chunk_prepare_backward", _chunk_prepare_backward_cpu,
-    recurrence_meta.chunk_prepare_backward_fake, ())
+    "chunk_prepare_backward",
+    _chunk_prepare_backward_cpu,
+    recurrence_meta.chunk_prepare_backward_fake,
+    (),
+)
 
 
 @triton_op("sdm_internal::chunk_prepare_backward", mutates_args=())
-def chunk_prepare_backward(write_idx: Tensor, write_w: Tensor, read_idx: Tensor, read_w: Tensor,
-                           decay: Tensor | None, bank_rows: int, dA: Tensor, dQK: Tensor,
-                           d_gather_w: Tensor, d_gather_r: Tensor, d_scatter_w: Tensor,
-                           d_row_decay: Tensor, chunks: Tensor | None = None,
-                           seq_chunks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def chunk_prepare_backward(
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    bank_rows: int,
+    dA: Tensor,
+    dQK: Tensor,
+    d_gather_w: Tensor,
+    d_gather_r: Tensor,
+    d_scatter_w: Tensor,
+    d_row_decay: Tensor,
+    chunks: Tensor | None = None,
+    seq_chunks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``sdm_internal::chunk_prepare``: (d_write_w, d_read_w, d_decay), d_decay empty
     without decay; see ``kernels/chunk_prepare.py``."""
     if use_kernels(dA):
         from .kernels import chunk_prepare as k
+
         dww, drw, ddc = recurrence_meta.chunk_prepare_backward_fake(
-            write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK, d_gather_w,
-            d_gather_r, d_scatter_w, d_row_decay, chunks, seq_chunks)
+            write_idx,
+            write_w,
+            read_idx,
+            read_w,
+            decay,
+            bank_rows,
+            dA,
+            dQK,
+            d_gather_w,
+            d_gather_r,
+            d_scatter_w,
+            d_row_decay,
+            chunks,
+            seq_chunks,
+        )
         with on_device(dA):
-            k.chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
-                                d_gather_w, d_gather_r, d_scatter_w, d_row_decay, dww,
-                                None if decay is None else ddc, drw, chunks)
+            k.chunk_prepare_bwd(
+                write_idx,
+                write_w,
+                read_idx,
+                read_w,
+                decay,
+                bank_rows,
+                dA,
+                dQK,
+                d_gather_w,
+                d_gather_r,
+                d_scatter_w,
+                d_row_decay,
+                dww,
+                None if decay is None else ddc,
+                drw,
+                chunks,
+            )
         return dww, drw, ddc
-    return _chunk_prepare_backward_reference(write_idx, write_w, read_idx, read_w, decay,
-                                             bank_rows, dA, dQK, d_gather_w, d_gather_r,
-                                             d_scatter_w, d_row_decay, chunks, seq_chunks)
+    return _chunk_prepare_backward_reference(
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        decay,
+        bank_rows,
+        dA,
+        dQK,
+        d_gather_w,
+        d_gather_r,
+        d_scatter_w,
+        d_row_decay,
+        chunks,
+        seq_chunks,
+    )
 
 
 chunk_prepare_backward.register_fake(recurrence_meta.chunk_prepare_backward_fake)

@@ -72,8 +72,10 @@ def product_key_topk(raw: Tensor, factors: Sequence[int], k: int) -> TopK:
     dims = check_factors(factors)
     check_int("k", k, low=1, high=MAX_K)
     if raw.dim() < 1 or raw.shape[-1] != sum(dims):
-        raise ValueError(f"raw must have sum(factors) = {sum(dims)} columns in its last "
-                         f"dimension, got shape {list(raw.shape)}")
+        raise ValueError(
+            f"raw must have sum(factors) = {sum(dims)} columns in its last "
+            f"dimension, got shape {list(raw.shape)}"
+        )
     val, lin = ops.product_key_topk(raw, list(dims), k)
     return TopK(val, lin)
 

@@ -32,8 +32,8 @@ MAX_ENTRIES = 64
 
 
 class SDMOutput(NamedTuple):
-    out: Tensor     # [B, T, H, D], v's dtype
-    bank: Tensor    # [B, H, S, D] ([N, H, S, D] packed), the bank's dtype: the final state
+    out: Tensor  # [B, T, H, D], v's dtype
+    bank: Tensor  # [B, H, S, D] ([N, H, S, D] packed), the bank's dtype: the final state
 
 
 def _check_index_range(name: str, idx: Tensor, S: int) -> None:
@@ -41,8 +41,10 @@ def _check_index_range(name: str, idx: Tensor, S: int) -> None:
     bad = (idx < -1) | (idx >= S)
     if bool(bad.any()):
         pos = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} must hold -1 (padding) or slots in [0, {S}), got "
-                         f"{int(idx[pos])} at position {list(pos)}")
+        raise ValueError(
+            f"{name} must hold -1 (padding) or slots in [0, {S}), got "
+            f"{int(idx[pos])} at position {list(pos)}"
+        )
 
 
 def _check_cu_seqlens(cu: list[int], T: int) -> None:
@@ -51,8 +53,10 @@ def _check_cu_seqlens(cu: list[int], T: int) -> None:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
     for n in range(1, len(cu)):
         if cu[n] < cu[n - 1]:
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[n - 1]} then {cu[n]} "
-                             f"at positions {n - 1}, {n}")
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, got {cu[n - 1]} then {cu[n]} "
+                f"at positions {n - 1}, {n}"
+            )
     if cu[-1] != T:
         raise ValueError(f"cu_seqlens must end at the number of tokens T = {T}, got {cu[-1]}")
 
@@ -63,11 +67,25 @@ def _head_first(v: Tensor, heads: int, other: str, rest: str) -> ValueError:
     return ValueError(
         f"v must have shape [B, T, H, D] (time before heads), got {list(v.shape)}: its "
         f"dimension 1 ({v.shape[1]}) is {other}'s number of heads H = {heads}, as in a "
-        f"head-first [B, H, T, D] layout; transpose v (v.transpose(1, 2)){rest}")
+        f"head-first [B, H, T, D] layout; transpose v (v.transpose(1, 2)){rest}"
+    )
 
 
-def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
-                cu_seqlens=None, *, inplace: bool) -> None:
+def _check_args(
+    v,
+    beta,
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    bank,
+    decay,
+    chunk_size,
+    snapshot,
+    cu_seqlens=None,
+    *,
+    inplace: bool,
+) -> None:
     """Checks every argument's type, shape, device and options; the checks that read data are
     ``_DataChecks``."""
     check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
@@ -89,8 +107,10 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
     check_tensor("read_w", read_w, ndim=4, dtypes=FLOAT_DTYPES)
     check_shape("read_w", read_w, (B, T, H, R), "[B, T, H, R]")
     if W > MAX_ENTRIES or R > MAX_ENTRIES:
-        raise ValueError(f"write_idx and read_idx may hold at most {MAX_ENTRIES} entries per "
-                         f"token, got W = {W}, R = {R}")
+        raise ValueError(
+            f"write_idx and read_idx may hold at most {MAX_ENTRIES} entries per "
+            f"token, got W = {W}, R = {R}"
+        )
     if decay is not None:
         check_tensor("decay", decay, ndim=4, dtypes=FLOAT_DTYPES)
         check_shape("decay", decay, (B, T, H, W), "[B, T, H, W]")
@@ -102,19 +122,23 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
             raise ValueError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
         check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
         if B != 1:
-            raise ValueError(f"with cu_seqlens the inputs hold one packed batch, [1, T, ...]; "
-                             f"got v of shape {list(v.shape)} (B = {B})")
+            raise ValueError(
+                f"with cu_seqlens the inputs hold one packed batch, [1, T, ...]; "
+                f"got v of shape {list(v.shape)} (B = {B})"
+            )
         if cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens must hold N + 1 >= 2 offsets, got shape "
-                             f"{list(cu_seqlens.shape)}")
+            raise ValueError(
+                f"cu_seqlens must hold N + 1 >= 2 offsets, got shape {list(cu_seqlens.shape)}"
+            )
         banks, lead = cu_seqlens.shape[0] - 1, "N"
     check_tensor("bank", bank, ndim=(4,) if inplace else (3, 4), dtypes=FLOAT_DTYPES)
     S = bank.shape[-2]
     if bank.shape[-3] == T != H and bank.shape[-1] == D:
         # Every per-token input agrees with v, so all of them are head-first: only the bank,
         # whose heads are not in time's place, shows it.
-        raise _head_first(v, T, "the bank", " and the other per-token inputs, or give the "
-                          f"bank H = {H} heads")
+        raise _head_first(
+            v, T, "the bank", f" and the other per-token inputs, or give the bank H = {H} heads"
+        )
     if bank.dim() == 4:
         check_shape("bank", bank, (banks, H, S, D), f"[{lead}, H, S, D]")
     else:
@@ -124,9 +148,19 @@ def _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chun
     check_int("chunk_size", chunk_size, choices=CHUNK_SIZES)
     if not isinstance(snapshot, str) or snapshot not in SNAPSHOT_MODES:
         raise ValueError(f"snapshot must be one of {list(SNAPSHOT_MODES)}, got {snapshot!r}")
-    check_same_device({"v": v, "beta": beta, "write_idx": write_idx, "write_w": write_w,
-                       "read_idx": read_idx, "read_w": read_w, "bank": bank, "decay": decay,
-                       "cu_seqlens": cu_seqlens})
+    check_same_device(
+        {
+            "v": v,
+            "beta": beta,
+            "write_idx": write_idx,
+            "write_w": write_w,
+            "read_idx": read_idx,
+            "read_w": read_w,
+            "bank": bank,
+            "decay": decay,
+            "cu_seqlens": cu_seqlens,
+        }
+    )
 
 
 def _index_bounds(idx: Tensor) -> list[Tensor]:
@@ -147,8 +181,8 @@ class _DataChecks(NamedTuple):
     padding, and a rejected call returns nothing); ``sparse_delta_memory_`` finishes before its
     operator writes the bank, so a rejected call changes nothing."""
 
-    values: Tensor                      # int64 on the host: write and read bounds, cu_seqlens
-    ready: torch.cuda.Event | None      # None on the CPU (values already there)
+    values: Tensor  # int64 on the host: write and read bounds, cu_seqlens
+    ready: torch.cuda.Event | None  # None on the CPU (values already there)
     write_idx: Tensor
     read_idx: Tensor
     S: int
@@ -156,8 +190,9 @@ class _DataChecks(NamedTuple):
     packed: bool
 
     @classmethod
-    def start(cls, write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None,
-              T: int) -> _DataChecks | None:
+    def start(
+        cls, write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None, T: int
+    ) -> _DataChecks | None:
         # Meta tensors hold no data to check: shapes only (what a meta-device model needs).
         if not data_checks_enabled() or write_idx.is_meta:
             return None
@@ -197,10 +232,20 @@ def _needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
-                        read_idx: Tensor, read_w: Tensor, bank: Tensor,
-                        decay: Tensor | None = None, *, chunk_size: int = 64,
-                        snapshot: str = "none", cu_seqlens: Tensor | None = None) -> SDMOutput:
+def sparse_delta_memory(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    bank: Tensor,
+    decay: Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    snapshot: str = "none",
+    cu_seqlens: Tensor | None = None,
+) -> SDMOutput:
     """Run the sparse delta memory over a sequence (functional: ``bank`` is not modified).
 
     Per stream (batch row b, head h) the bank M is [S, D]. Token t writes ``W`` entries
@@ -248,26 +293,58 @@ def sparse_delta_memory(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Ten
         >>> out.shape, bank.shape
         (torch.Size([2, 100, 4, 64]), torch.Size([2, 4, 4096, 64]))
     """
-    _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot,
-                cu_seqlens, inplace=False)
+    _check_args(
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size,
+        snapshot,
+        cu_seqlens,
+        inplace=False,
+    )
     checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
-    if checks is not None and checks.ready is None:     # on the CPU the values are at hand
+    if checks is not None and checks.ready is None:  # on the CPU the values are at hand
         checks.finish()
         checks = None
     # Without autograd nothing is kept for a backward: no snapshot, and phase 2 runs in place
     # on a copy of the bank (what inference and evaluation pay).
     keep = _needs_grad(v, beta, write_w, read_w, bank, decay)
     out, bank_out, _ = ops.sparse_delta_memory(
-        v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size=chunk_size,
-        snapshot=snapshot, cu_seqlens=cu_seqlens, keep_for_backward=keep)
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size=chunk_size,
+        snapshot=snapshot,
+        cu_seqlens=cu_seqlens,
+        keep_for_backward=keep,
+    )
     _finish(checks)
     return SDMOutput(out, bank_out)
 
 
-def sparse_delta_memory_(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Tensor,
-                         read_idx: Tensor, read_w: Tensor, bank: Tensor,
-                         decay: Tensor | None = None, *, chunk_size: int = 64,
-                         cu_seqlens: Tensor | None = None) -> Tensor:
+def sparse_delta_memory_(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    bank: Tensor,
+    decay: Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
     """The recurrence of :func:`sparse_delta_memory`, updating ``bank`` in place; no autograd.
 
     The arguments are those of :func:`sparse_delta_memory`, in the same order.
@@ -290,10 +367,32 @@ def sparse_delta_memory_(v: Tensor, beta: Tensor, write_idx: Tensor, write_w: Te
         >>> out.shape, bool(bank.any())      # the bank now holds the token's writes
         (torch.Size([2, 1, 4, 64]), True)
     """
-    _check_args(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, "none",
-                cu_seqlens, inplace=True)
+    _check_args(
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size,
+        "none",
+        cu_seqlens,
+        inplace=True,
+    )
     if not bank.is_contiguous():
         raise ValueError("bank must be contiguous to be updated in place")
     _finish(_DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1]))
-    return ops.sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank, decay,
-                                    chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+    return ops.sparse_delta_memory_(
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size=chunk_size,
+        cu_seqlens=cu_seqlens,
+    )

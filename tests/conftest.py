@@ -10,5 +10,6 @@ def phase2_tiles(request, monkeypatch):
     or C take)."""
     if request.param == "tiled":
         from sdm_ops.kernels import recurrence_fwd
+
         monkeypatch.setattr(recurrence_fwd, "_TILE", 128)
     return request.param

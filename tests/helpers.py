@@ -25,14 +25,20 @@ class Marks(tuple):
 HAS_CUDA = torch.cuda.is_available()
 # Each skip carries its marker (registered in pyproject.toml), so that ``-m cuda`` selects the
 # CUDA-only tests and ``-m "not multi_gpu"`` leaves out those that need two GPUs.
-requires_cuda = Marks((pytest.mark.cuda,
-                       pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")))
-requires_multi_gpu = Marks((pytest.mark.cuda, pytest.mark.multi_gpu,
-                            pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                               reason="needs 2 CUDA GPUs")))
+requires_cuda = Marks(
+    (pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))
+)
+requires_multi_gpu = Marks(
+    (
+        pytest.mark.cuda,
+        pytest.mark.multi_gpu,
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    )
+)
 requires_kernels = pytest.mark.skipif(
     not HAS_CUDA and not interpreting(),
-    reason="needs a CUDA GPU or TRITON_INTERPRET=1 set before triton is imported")
+    reason="needs a CUDA GPU or TRITON_INTERPRET=1 set before triton is imported",
+)
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -44,9 +50,12 @@ def kernel_modules() -> list:
     import pkgutil
 
     import sdm_ops.kernels
-    return [importlib.import_module(f"sdm_ops.kernels.{info.name}")
-            for info in pkgutil.iter_modules(sdm_ops.kernels.__path__)
-            if not info.name.startswith("_")]
+
+    return [
+        importlib.import_module(f"sdm_ops.kernels.{info.name}")
+        for info in pkgutil.iter_modules(sdm_ops.kernels.__path__)
+        if not info.name.startswith("_")
+    ]
 
 
 @contextlib.contextmanager
@@ -60,14 +69,21 @@ def on_kernels():
             yield
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, name: str = "",
-                 atol: float | None = None) -> None:
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    rtol: float,
+    name: str = "",
+    atol: float | None = None,
+) -> None:
     """Relative error against the largest expected magnitude, with a message that says where
     and by how much the tensors differ."""
     actual = actual.detach().to(torch.float64).cpu()
     expected = expected.detach().to(torch.float64).cpu()
     assert actual.shape == expected.shape, (
-        f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+        f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     scale = expected.abs().max().item() if expected.numel() else 0.0
     tol = rtol * max(scale, 1.0) if atol is None else atol + rtol * scale
     diff = (actual - expected).abs()
@@ -77,7 +93,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, n
         raise AssertionError(
             f"{name}: max abs diff {bad.max().item():.3e} at {worst} "
             f"(actual {actual[worst].item():.6g}, expected {expected[worst].item():.6g}); "
-            f"tolerance {tol:.3e} = rtol {rtol:g} x max(|expected|, 1) {max(scale, 1.0):.3g}")
+            f"tolerance {tol:.3e} = rtol {rtol:g} x max(|expected|, 1) {max(scale, 1.0):.3g}"
+        )
 
 
 def capture(fn, warm_up=None):
@@ -97,9 +114,26 @@ def capture(fn, warm_up=None):
     return graph, result
 
 
-def make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, *, decay=True, shared=False,
-                    dtype=torch.float32, bank_dtype=None, index_dtype=torch.int64,
-                    device="cpu", seed=0, padding=0.15, zero_decay=0.15, one_decay=0.15):
+def make_sdm_inputs(
+    B=2,
+    T=37,
+    H=2,
+    D=16,
+    S=11,
+    W=3,
+    R=2,
+    *,
+    decay=True,
+    shared=False,
+    dtype=torch.float32,
+    bank_dtype=None,
+    index_dtype=torch.int64,
+    device="cpu",
+    seed=0,
+    padding=0.15,
+    zero_decay=0.15,
+    one_decay=0.15,
+):
     """Fresh random arguments of ``sparse_delta_memory`` as a dict.
 
     Indices are drawn from a small S, so duplicate slots within a token and within a chunk are
@@ -117,10 +151,15 @@ def make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, *, decay=True, shared=
     def rnd(*shape, dt=dtype):
         return torch.randn(*shape, generator=g).to(dt).to(device)
 
-    args = dict(v=rnd(B, T, H, D), beta=torch.rand(B, T, H, generator=g).to(dtype).to(device),
-                write_idx=idx(W), write_w=rnd(B, T, H, W) * 0.5, read_idx=idx(R),
-                read_w=rnd(B, T, H, R) * 0.5,
-                bank=rnd(*(() if shared else (B,)), H, S, D, dt=bank_dtype))
+    args = dict(
+        v=rnd(B, T, H, D),
+        beta=torch.rand(B, T, H, generator=g).to(dtype).to(device),
+        write_idx=idx(W),
+        write_w=rnd(B, T, H, W) * 0.5,
+        read_idx=idx(R),
+        read_w=rnd(B, T, H, R) * 0.5,
+        bank=rnd(*(() if shared else (B,)), H, S, D, dt=bank_dtype),
+    )
     if decay:
         d = torch.rand(B, T, H, W, generator=g)
         u = torch.rand(B, T, H, W, generator=g)
@@ -129,8 +168,9 @@ def make_sdm_inputs(B=2, T=37, H=2, D=16, S=11, W=3, R=2, *, decay=True, shared=
     return args
 
 
-def make_packed_sdm_inputs(lengths, H=2, D=16, S=11, W=3, R=2, *, shared=False, seed=0,
-                           device="cpu", **kw) -> dict:
+def make_packed_sdm_inputs(
+    lengths, H=2, D=16, S=11, W=3, R=2, *, shared=False, seed=0, device="cpu", **kw
+) -> dict:
     """Arguments of ``sparse_delta_memory`` for sequences of ``lengths`` packed into one
     [1, T] batch, drawn as :func:`make_sdm_inputs` draws them (``kw`` goes to it), with a
     random bank per sequence [N, H, S, D] (or a shared [H, S, D]) and ``cu_seqlens`` (int32)."""
@@ -138,15 +178,18 @@ def make_packed_sdm_inputs(lengths, H=2, D=16, S=11, W=3, R=2, *, shared=False, 
     g = torch.Generator().manual_seed(seed + 1)
     bank_shape = (H, S, D) if shared else (len(lengths), H, S, D)
     a["bank"] = torch.randn(*bank_shape, generator=g).to(a["v"].dtype).to(device)
-    a["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
-                                   device=device)
+    a["cu_seqlens"] = torch.tensor(
+        [0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device
+    )
     return a
 
 
 def to_float64(args: dict) -> dict:
     """The same arguments with every floating tensor in float64 on the CPU (the oracle's)."""
-    return {k: (v.detach().cpu().to(torch.float64) if v.is_floating_point() else v.cpu())
-            for k, v in args.items()}
+    return {
+        k: (v.detach().cpu().to(torch.float64) if v.is_floating_point() else v.cpu())
+        for k, v in args.items()
+    }
 
 
 def make_wy_inputs(n: int, c: int, seed: int, device="cpu", requires_grad=False):
@@ -159,8 +202,7 @@ def make_wy_inputs(n: int, c: int, seed: int, device="cpu", requires_grad=False)
     return tuple(t.to(device).requires_grad_(requires_grad) for t in (A, beta, QK))
 
 
-def make_raw(shape, factors, seed: int, device="cpu", dtype=torch.float32,
-             requires_grad=False):
+def make_raw(shape, factors, seed: int, device="cpu", dtype=torch.float32, requires_grad=False):
     """Product-key scores [*shape, sum(factors)] with distinct values (no ties)."""
     g = torch.Generator().manual_seed(seed)
     raw = torch.randn(*shape, sum(factors), generator=g).to(dtype)

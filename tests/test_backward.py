@@ -72,15 +72,17 @@ def test_float64_gradcheck_through_the_cpu_operator(packed):
     def f(*xs):
         kw = dict(a, **dict(zip(names, xs)))
         out, bank, _ = torch.ops.sdm.sparse_delta_memory(
-            *(kw.get(k) for k in ORDER), chunk_size=16, cu_seqlens=kw.get("cu_seqlens"))
+            *(kw.get(k) for k in ORDER), chunk_size=16, cu_seqlens=kw.get("cu_seqlens")
+        )
         return out, bank
 
     xs = [a[n].clone().requires_grad_() for n in names]
     assert torch.autograd.gradcheck(f, xs, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)],
-                         ids=["cpu_reference", "kernels"])
+@pytest.mark.parametrize(
+    "kernels", [False, pytest.param(True, marks=requires_kernels)], ids=["cpu_reference", "kernels"]
+)
 def test_gradients_match_float64_reference_with_padding_duplicates_and_zero_decays(kernels):
     dev = KERNEL_DEVICE if kernels else "cpu"
     a = make_sdm_inputs(T=37, S=7, W=3, R=2, seed=22, device=dev)
@@ -90,8 +92,9 @@ def test_gradients_match_float64_reference_with_padding_duplicates_and_zero_deca
 
 @requires_kernels
 def test_kernel_gradients_shared_bank_all_on_one_slot_and_no_decay(phase2_tiles):
-    a = make_sdm_inputs(T=20, S=2, W=4, R=3, D=32, shared=True, seed=23, zero_decay=0.4,
-                        device=KERNEL_DEVICE)
+    a = make_sdm_inputs(
+        T=20, S=2, W=4, R=3, D=32, shared=True, seed=23, zero_decay=0.4, device=KERNEL_DEVICE
+    )
     got, g_out, g_bank = _grads(a, kernels=True)
     assert got["bank"].shape == a["bank"].shape
     _check(got, _oracle(a, g_out, g_bank), 1e-5, "shared bank")
@@ -108,10 +111,18 @@ def test_quantized_snapshots_bound_the_gradient_error(mode, rtol, phase2_tiles):
     a = make_sdm_inputs(T=19, S=9, W=2, R=2, D=32, seed=25, device=KERNEL_DEVICE)
     got, g_out, g_bank = _grads(a, kernels=True, snapshot=mode)
     want = _oracle(a, g_out, g_bank)
-    _check({k: got[k] for k in ("v", "beta", "bank")}, {k: want[k] for k in ("v", "beta", "bank")},
-           1e-5, mode)
-    _check({k: got[k] for k in ("write_w", "read_w", "decay")},
-           {k: want[k] for k in ("write_w", "read_w", "decay")}, rtol, mode)
+    _check(
+        {k: got[k] for k in ("v", "beta", "bank")},
+        {k: want[k] for k in ("v", "beta", "bank")},
+        1e-5,
+        mode,
+    )
+    _check(
+        {k: got[k] for k in ("write_w", "read_w", "decay")},
+        {k: want[k] for k in ("write_w", "read_w", "decay")},
+        rtol,
+        mode,
+    )
 
 
 def test_only_the_output_or_only_the_bank_may_carry_gradient():
@@ -187,11 +198,14 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("wanted,skipped", [
-    (("v",), {"chunk_prepare_backward", "wy_solve_backward"}),
-    (("v", "beta", "bank"), {"chunk_prepare_backward"}),
-    (("write_w",), set()),
-])
+@pytest.mark.parametrize(
+    "wanted,skipped",
+    [
+        (("v",), {"chunk_prepare_backward", "wy_solve_backward"}),
+        (("v", "beta", "bank"), {"chunk_prepare_backward"}),
+        (("write_w",), set()),
+    ],
+)
 def test_gradients_not_asked_for_are_not_computed(wanted, skipped):
     """Phase 1's backward runs only for write_w, read_w or decay, the WY solve's only for those
     or beta; the others never reach them."""

@@ -15,7 +15,7 @@ from sdm_ops import reference as ref
 from sdm_ops.kernels import bank_copy as kernel
 from tests.helpers import KERNEL_DEVICE, on_kernels, requires_kernels
 
-B, H, S, D = 3, 2, 37, 16       # 1184 elements a bank: 18.5 blocks of 64
+B, H, S, D = 3, 2, 37, 16  # 1184 elements a bank: 18.5 blocks of 64
 
 
 def _bank(shape, dtype, seed, subnormal=True):
@@ -23,7 +23,7 @@ def _bank(shape, dtype, seed, subnormal=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g).to(dtype)
     special = [float("nan"), float("inf"), -float("inf"), -0.0] + [1e-40] * subnormal
-    x.view(-1)[:len(special)] = torch.tensor(special).to(dtype)
+    x.view(-1)[: len(special)] = torch.tensor(special).to(dtype)
     return x.to(KERNEL_DEVICE)
 
 
@@ -31,31 +31,44 @@ def _assert_same_bits(actual, expected, name):
     bits = torch.int32 if expected.dtype == torch.float32 else torch.int16
     a, e = actual.cpu().view(bits), expected.cpu().view(bits)
     differ = (a != e).nonzero()
-    assert not len(differ), (f"{name}: {len(differ)} elements differ, first at "
-                             f"{tuple(differ[0].tolist())}: {actual.cpu()[tuple(differ[0])]} "
-                             f"against {expected.cpu()[tuple(differ[0])]}")
+    assert not len(differ), (
+        f"{name}: {len(differ)} elements differ, first at "
+        f"{tuple(differ[0].tolist())}: {actual.cpu()[tuple(differ[0])]} "
+        f"against {expected.cpu()[tuple(differ[0])]}"
+    )
 
 
 @requires_kernels
-@pytest.mark.parametrize("programs", [0, 3, 40], ids=["block_a_program", "3_programs",
-                                                      "more_programs_than_blocks"])
+@pytest.mark.parametrize(
+    "programs", [0, 3, 40], ids=["block_a_program", "3_programs", "more_programs_than_blocks"]
+)
 @pytest.mark.parametrize("shared", [False, True], ids=["per_stream", "shared"])
-@pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float32, torch.float32),
-                                                 (torch.bfloat16, torch.bfloat16),
-                                                 (torch.bfloat16, torch.float32)])
-def test_kernel_copies_every_bank_bitwise_and_nothing_else(monkeypatch, shared, src_dtype,
-                                                           dst_dtype, programs):
-    monkeypatch.setattr(kernel, "BLOCK", 64)       # several blocks a bank, the last partial
+@pytest.mark.parametrize(
+    "src_dtype,dst_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+def test_kernel_copies_every_bank_bitwise_and_nothing_else(
+    monkeypatch, shared, src_dtype, dst_dtype, programs
+):
+    monkeypatch.setattr(kernel, "BLOCK", 64)  # several blocks a bank, the last partial
     monkeypatch.setattr(kernel, "BOUNDED_BLOCK", 64)
     # Under the interpreter (numpy) a bfloat16 subnormal widens to the wrong float32; the GPU's
     # conversion is exact. So the widening case draws none.
-    src = _bank((H, S, D) if shared else (B, H, S, D), src_dtype, seed=1 + shared,
-                subnormal=src_dtype == dst_dtype)
+    src = _bank(
+        (H, S, D) if shared else (B, H, S, D),
+        src_dtype,
+        seed=1 + shared,
+        subnormal=src_dtype == dst_dtype,
+    )
     pad = 100
     buf = torch.full((2 * pad + B * H * S * D,), 7.0, dtype=dst_dtype, device=KERNEL_DEVICE)
-    dst = buf[pad:pad + B * H * S * D].view(B, H, S, D)
+    dst = buf[pad : pad + B * H * S * D].view(B, H, S, D)
     with on_kernels():
-        kernel.bank_copy(src, dst, programs)      # 3: each program walks 6 or 7 blocks
+        kernel.bank_copy(src, dst, programs)  # 3: each program walks 6 or 7 blocks
     want = src.expand(B, H, S, D).to(dst_dtype)
     _assert_same_bits(dst, want, "copy")
     outside = torch.cat([buf[:pad], buf[-pad:]]).cpu()
@@ -117,8 +130,8 @@ def test_first_writes_of_a_packed_batch_numbers_chunk_slots_per_sequence():
     chunks, seq_chunks = ops.varlen_chunks(cu, T, C)
     want = torch.full((len(lengths) * Hn, S), kernel.UNWRITTEN, dtype=torch.int32)
     for n, (t0, length, c0, _) in enumerate(ref.varlen_sequences(chunks, seq_chunks)):
-        seq = _first_by_loops(write_idx[:, t0:t0 + length], S, C)
-        want[n * Hn:(n + 1) * Hn] = torch.where(seq == kernel.UNWRITTEN, seq, seq + c0)
+        seq = _first_by_loops(write_idx[:, t0 : t0 + length], S, C)
+        want[n * Hn : (n + 1) * Hn] = torch.where(seq == kernel.UNWRITTEN, seq, seq + c0)
     got = torch.zeros(len(lengths) * Hn, S, dtype=torch.int32, device=KERNEL_DEVICE)
     with on_kernels():
         dev = [t.to(KERNEL_DEVICE) for t in (write_idx, chunks, seq_chunks)]
@@ -138,7 +151,7 @@ def test_unwritten_copy_copies_only_the_rows_no_chunk_writes(monkeypatch, shared
     first = first.to(KERNEL_DEVICE)
     pad = 100
     buf = torch.full((2 * pad + B * H * S * D,), 7.0, device=KERNEL_DEVICE)
-    dst = buf[pad:pad + B * H * S * D].view(B, H, S, D)
+    dst = buf[pad : pad + B * H * S * D].view(B, H, S, D)
     with on_kernels():
         kernel.bank_copy_unwritten(src, dst, first)
     copied = (first == kernel.UNWRITTEN).view(B, H, S, 1).cpu()

@@ -18,8 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_floors_count_every_tensor_once(decay):
     # B=1, T=2, H=1, D=16, S=4, W=R=1: v bfloat16 64 B, beta 8, write_idx / read_idx int64 16
     # each, write_w / read_w 8 each, decay 8, float32 bank 256, a bank row 64.
-    a = bench.make_workload(1, 2, 1, 16, 4, 1, 1, decay=decay, bank_dtype=torch.float32,
-                            dev="cpu")
+    a = bench.make_workload(1, 2, 1, 16, 4, 1, 1, decay=decay, bank_dtype=torch.float32, dev="cpu")
     d = 8 if decay else 0
     # Forward: inputs but the bank 120 + d, out 64, bank read and written 512, 2 tokens x 2
     # entries gathered 256, 2 written rows 128.
@@ -35,8 +34,10 @@ def test_shared_entries_counts_the_entries_that_meet_another_on_a_slot():
     # One stream, chunks of 2 tokens: tokens 0 and 1 name slots 5, 7 | 5 and 9, -1 | 3 (write |
     # read): the two entries on slot 5 share it; token 2 holds padding only (as does the pad
     # past T), which shares nothing however often it repeats.
-    a = {"write_idx": torch.tensor([[5, 7], [9, -1], [-1, -1]]).view(1, 3, 1, 2),
-         "read_idx": torch.tensor([[5], [3], [-1]]).view(1, 3, 1, 1)}
+    a = {
+        "write_idx": torch.tensor([[5, 7], [9, -1], [-1, -1]]).view(1, 3, 1, 2),
+        "read_idx": torch.tensor([[5], [3], [-1]]).view(1, 3, 1, 1),
+    }
     shared, most = bench.shared_entries(a, 2)
     assert shared.tolist() == [[[2, 0]]] and most.tolist() == [[[2, 0]]]
     # Chunks of 4 tokens: one chunk, the same two entries.
@@ -50,20 +51,29 @@ def test_shared_entries_counts_the_entries_that_meet_another_on_a_slot():
 
 
 def test_a_hot_workload_names_only_its_hot_slots():
-    a = bench.make_workload(2, 64, 2, 16, 4096, 4, 4, decay=False, bank_dtype=torch.float32,
-                            dev="cpu", hot=8)
+    a = bench.make_workload(
+        2, 64, 2, 16, 4096, 4, 4, decay=False, bank_dtype=torch.float32, dev="cpu", hot=8
+    )
     slots = torch.cat([a["write_idx"].flatten(), a["read_idx"].flatten()]).unique()
     assert len(slots) == 8 and slots.min() >= 0 and slots.max() < 4096
     # Without hot, the indices spread over the whole bank.
-    b = bench.make_workload(2, 64, 2, 16, 4096, 4, 4, decay=False, bank_dtype=torch.float32,
-                            dev="cpu")
+    b = bench.make_workload(
+        2, 64, 2, 16, 4096, 4, 4, decay=False, bank_dtype=torch.float32, dev="cpu"
+    )
     assert len(torch.cat([b["write_idx"].flatten(), b["read_idx"].flatten()]).unique()) > 8
 
 
 def run_module(*args, env=None):
     """``python -m sdm_ops.bench ARGS`` from the repository root, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "sdm_ops.bench", *args], check=False, cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sdm_ops.bench", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_help_exits_0_and_describes_every_option():
@@ -99,12 +109,45 @@ def test_snapshot_errors_write_json(tmp_path):
     # The one section that runs without a GPU; its figures and the run's provenance land in
     # the JSON file.
     path = tmp_path / "r.json"
-    assert bench.main(["--only", "snapshot-errors", "--B", "1", "--T", "40", "--H", "1", "--D",
-                       "16", "--S", "64", "--W", "2", "--R", "2", "--chunk-size", "16",
-                       "--json", str(path)]) == 0
+    assert (
+        bench.main(
+            [
+                "--only",
+                "snapshot-errors",
+                "--B",
+                "1",
+                "--T",
+                "40",
+                "--H",
+                "1",
+                "--D",
+                "16",
+                "--S",
+                "64",
+                "--W",
+                "2",
+                "--R",
+                "2",
+                "--chunk-size",
+                "16",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     results = json.loads(path.read_text())
-    assert results["workload"] == {"B": 1, "T": 40, "H": 1, "D": 16, "S": 64, "W": 2, "R": 2,
-                                   "chunk_size": 16, "values": "bfloat16"}
+    assert results["workload"] == {
+        "B": 1,
+        "T": 40,
+        "H": 1,
+        "D": 16,
+        "S": 64,
+        "W": 2,
+        "R": 2,
+        "chunk_size": 16,
+        "values": "bfloat16",
+    }
     assert results["torch"] == torch.__version__ and results["device"]
     (section,) = results["sections"]
     assert [row["case"] for row in section["rows"]] == list(bench.SNAPSHOTS)

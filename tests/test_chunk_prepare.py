@@ -45,16 +45,25 @@ def _prepare(a, C, cu=None):
     S = a["bank"].shape[-2]
     tables = (None, None) if cu is None else ref.varlen_chunks(cu, a["v"].shape[1], C)
     with on_kernels(), torch.no_grad():
-        prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
-                                 a.get("decay"), S, C, *tables)
+        prep = ops.chunk_prepare(
+            a["write_idx"], a["write_w"], a["read_idx"], a["read_w"], a.get("decay"), S, C, *tables
+        )
     return prep, tables
 
 
 def _prepare_backward(a, grads, tables):
     S = a["bank"].shape[-2]
     with on_kernels(), torch.no_grad():
-        return ops.chunk_prepare_backward(a["write_idx"], a["write_w"], a["read_idx"],
-                                          a["read_w"], a.get("decay"), S, *grads, *tables)
+        return ops.chunk_prepare_backward(
+            a["write_idx"],
+            a["write_w"],
+            a["read_idx"],
+            a["read_w"],
+            a.get("decay"),
+            S,
+            *grads,
+            *tables,
+        )
 
 
 def _reference(a, C, grads, cu=None):
@@ -64,11 +73,15 @@ def _reference(a, C, grads, cu=None):
     args = (x["write_idx"], x["write_w"], x["read_idx"], x["read_w"], x.get("decay"), S)
     g = [t.cpu().double() for t in grads]
     if cu is None:
-        return (ref.chunk_prepare_reference(*args, C),
-                ref.chunk_prepare_backward_reference(*args, *g))
+        return (
+            ref.chunk_prepare_reference(*args, C),
+            ref.chunk_prepare_backward_reference(*args, *g),
+        )
     tables = ref.varlen_chunks(cu.cpu(), x["v"].shape[1], C)
-    return (ref.chunk_prepare_varlen_reference(*args, C, *tables),
-            ref.chunk_prepare_backward_varlen_reference(*args, *g, *tables))
+    return (
+        ref.chunk_prepare_varlen_reference(*args, C, *tables),
+        ref.chunk_prepare_backward_varlen_reference(*args, *g, *tables),
+    )
 
 
 def _check(a, C, cu=None, seed=0):
@@ -88,18 +101,21 @@ def _check(a, C, cu=None, seed=0):
 
 
 @pytest.mark.parametrize("compact", [0, 16, 32])
-@pytest.mark.parametrize("case", [
-    dict(T=37, W=3, R=2, S=11),                  # every slot shared: mostly heavy chunks
-    dict(T=40, W=8, R=8, S=300),                 # some shared slots per chunk
-    dict(T=21, W=4, R=3, S=60, decay=False),
-    dict(T=33, W=2, R=5, S=40, zero_decay=0.5),  # many decays of exactly 0
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(T=37, W=3, R=2, S=11),  # every slot shared: mostly heavy chunks
+        dict(T=40, W=8, R=8, S=300),  # some shared slots per chunk
+        dict(T=21, W=4, R=3, S=60, decay=False),
+        dict(T=33, W=2, R=5, S=40, zero_decay=0.5),  # many decays of exactly 0
+    ],
+)
 def test_phase1_and_backward_match_float64_on_both_paths(heavy_flags, compact, case):
     seen, set_compact = heavy_flags
     set_compact(compact)
     a = make_sdm_inputs(B=2, H=2, D=16, seed=compact + case["T"], device=KERNEL_DEVICE, **case)
     _check(a, 16, seed=compact)
-    assert len(seen) == 2   # forward and backward
+    assert len(seen) == 2  # forward and backward
     if compact == 0:
         assert seen == [None, None], "COMPACT=0 must turn the sparse path off"
     else:
@@ -117,11 +133,15 @@ def test_the_paths_split_chunks_and_both_run(heavy_flags, monkeypatch):
     monkeypatch.setattr(sparse, "_STRIDED_PROGRAMS", 2)
     a = make_sdm_inputs(B=2, H=2, D=16, T=64, W=8, R=8, S=2000, seed=3, device=KERNEL_DEVICE)
     for b, h, n in ((0, 0, 0), (0, 0, 2), (1, 1, 1)):
-        a["write_idx"][b, 16 * n:16 * n + 9, h, :2] = 1999
+        a["write_idx"][b, 16 * n : 16 * n + 9, h, :2] = 1999
     _check(a, 16, seed=3)
     flags = seen[0]
-    assert flags.view(-1).tolist() == [True, False, True, False] + [False] * 8 + \
-        [False, True, False, False], f"heavy flags {flags.tolist()}"
+    assert flags.view(-1).tolist() == [True, False, True, False] + [False] * 8 + [
+        False,
+        True,
+        False,
+        False,
+    ], f"heavy flags {flags.tolist()}"
 
 
 def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypatch):
@@ -148,7 +168,9 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
                 def run(*args, **kw):
                     windows.append((kw["MC"], kw["HI"], grid))
                     return launcher[grid](*args, **kw)
+
                 return run
+
         return Spy()
 
     monkeypatch.setattr(sparse, "wrap_triton", spy)
@@ -164,6 +186,7 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
 def _shared_counts(a, C):
     """Entries per chunk that share a slot with another entry of the chunk (bench's count)."""
     from sdm_ops import bench
+
     return bench.shared_entries({k: a[k].cpu() for k in ("write_idx", "read_idx")}, C)[0].flatten()
 
 
@@ -179,8 +202,9 @@ def test_a_large_bank_takes_the_sparse_path_for_every_chunk(heavy_flags):
     # Chunks of every pairs path: the one-window tier's two window sizes (at most 16 shared
     # entries, at most 32) and the windowed tier.
     m = _shared_counts(a, 32)
-    assert ((m > 0) & (m <= 16)).any() and ((m > 16) & (m <= 32)).any() and (m > 32).any(), \
+    assert ((m > 0) & (m <= 16)).any() and ((m > 16) & (m <= 32)).any() and (m > 32).any(), (
         m.tolist()
+    )
 
 
 @pytest.mark.parametrize("compact", [0, 32])
@@ -208,8 +232,12 @@ def test_out_of_range_indices_act_as_padding_on_both_paths(heavy_flags, compact)
     S = 3000
     a = make_sdm_inputs(B=1, H=2, D=16, T=40, W=4, R=4, S=S, seed=7, device=KERNEL_DEVICE)
     clean = {k: v.clone() for k, v in a.items()}
-    for name, t, j, bad in (("write_idx", 3, 1, S), ("write_idx", 17, 0, -7),
-                            ("read_idx", 5, 2, 10 ** 6), ("read_idx", 30, 3, S + 1)):
+    for name, t, j, bad in (
+        ("write_idx", 3, 1, S),
+        ("write_idx", 17, 0, -7),
+        ("read_idx", 5, 2, 10**6),
+        ("read_idx", 30, 3, S + 1),
+    ):
         a[name][0, t, 1, j] = bad
         clean[name][0, t, 1, j] = -1
     prep, tables = _prepare(a, 16)

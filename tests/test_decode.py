@@ -42,8 +42,9 @@ def _step(a, kernels: bool):
     return out, bank
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)],
-                         ids=["cpu_reference", "kernels"])
+@pytest.mark.parametrize(
+    "kernels", [False, pytest.param(True, marks=requires_kernels)], ids=["cpu_reference", "kernels"]
+)
 @pytest.mark.parametrize("decay", [True, False])
 def test_decode_step_matches_float64_token_reference(kernels, decay):
     a = _inputs(decay=decay, seed=1 + decay, device=KERNEL_DEVICE if kernels else "cpu")
@@ -56,8 +57,9 @@ def test_decode_step_matches_float64_token_reference(kernels, decay):
 
 @requires_kernels
 def test_decode_step_every_entry_on_one_slot_and_zero_decays():
-    a = _inputs(S=1, W=5, R=3, padding=0.0, zero_decay=0.5, one_decay=0.2, seed=3,
-                device=KERNEL_DEVICE)
+    a = _inputs(
+        S=1, W=5, R=3, padding=0.0, zero_decay=0.5, one_decay=0.2, seed=3, device=KERNEL_DEVICE
+    )
     out, bank = _step(a, True)
     out_r, bank_r = _oracle(a)
     assert_close(out, out_r, rtol=1e-5, name="out")
@@ -66,14 +68,13 @@ def test_decode_step_every_entry_on_one_slot_and_zero_decays():
 
 @requires_kernels
 def test_decode_step_bfloat16_values_and_bank_and_int32_indices():
-    a = _inputs(dtype=torch.bfloat16, index_dtype=torch.int32, D=64, seed=4,
-                device=KERNEL_DEVICE)
+    a = _inputs(dtype=torch.bfloat16, index_dtype=torch.int32, D=64, seed=4, device=KERNEL_DEVICE)
     out, bank = _step(a, True)
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in a.items()}
-    out_f, bank_f = _step(f32, False)           # the same step in float32 on the CPU path
+    out_f, bank_f = _step(f32, False)  # the same step in float32 on the CPU path
     assert out.dtype == bank.dtype == torch.bfloat16
-    assert_close(out, out_f, rtol=2 ** -7, name="out")
-    assert_close(bank, bank_f, rtol=2 ** -7, name="bank")
+    assert_close(out, out_f, rtol=2**-7, name="out")
+    assert_close(bank, bank_f, rtol=2**-7, name="bank")
 
 
 @requires_kernels
@@ -81,6 +82,7 @@ def test_decode_step_masks_out_of_range_indices_as_padding():
     """With the eager index check off (as in compiled code), an index >= S or < -1 reads and
     writes nothing, exactly like -1."""
     from unittest import mock
+
     a = _inputs(seed=5, device=KERNEL_DEVICE)
     bad = dict(a)
     for name, value in (("write_idx", 99), ("read_idx", -7)):
@@ -109,7 +111,11 @@ def test_decode_steps_equal_the_chunked_path_and_repeat_bitwise():
         outs = []
         with on_kernels():
             for t in range(4):
-                outs.append(sdm_ops.sparse_delta_memory_(bank=bank, **{k: v[:, t:t + 1] for k, v in rest.items()}))
+                outs.append(
+                    sdm_ops.sparse_delta_memory_(
+                        bank=bank, **{k: v[:, t : t + 1] for k, v in rest.items()}
+                    )
+                )
         states.append((torch.cat(outs, 1), bank))
     assert_close(states[0][0], out_whole, rtol=1e-5, name="out")
     assert_close(states[0][1], whole, rtol=1e-5, name="bank")
@@ -125,11 +131,16 @@ def test_decode_step_reference_equals_the_token_and_chunked_references():
     assert_close(out, out_r, rtol=1e-12, name="out")
     B, H, W = slot.shape
     rows = torch.gather(bank_r, 2, slot.clamp(min=0)[..., None].expand(B, H, W, bank_r.shape[-1]))
-    assert_close(torch.where((slot >= 0)[..., None], new, 0),
-                 torch.where((slot >= 0)[..., None], rows, 0), rtol=1e-12, name="new rows")
+    assert_close(
+        torch.where((slot >= 0)[..., None], new, 0),
+        torch.where((slot >= 0)[..., None], rows, 0),
+        rtol=1e-12,
+        name="new rows",
+    )
     big = _inputs(S=1 << 16, D=16, seed=8)
     out, bank = _step(big, False)
-    out_r, bank_r = ref.sdm_chunked_reference(*(to_float64(big).get(k) for k in ORDER),
-                                              chunk_size=16)
+    out_r, bank_r = ref.sdm_chunked_reference(
+        *(to_float64(big).get(k) for k in ORDER), chunk_size=16
+    )
     assert_close(out, out_r, rtol=1e-5, name="out (S = 65536)")
     assert_close(bank, bank_r, rtol=1e-5, name="bank (S = 65536)")

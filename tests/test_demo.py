@@ -27,8 +27,12 @@ def test_progress_says_when_it_compiles_then_prints_on_time_not_on_steps():
     clock = FakeClock([0.0] + [30.0 + i for i in range(12)])
     p = mqar.Progress(12, interval=5.0, compiling=True, log=lines.append, clock=clock)
     p.begin()
-    assert lines == [("compiling the model (torch.compile, fullgraph=True): the first step "
-                      "traces and compiles its forward and backward...")]
+    assert lines == [
+        (
+            "compiling the model (torch.compile, fullgraph=True): the first step "
+            "traces and compiles its forward and backward..."
+        )
+    ]
     for step in range(1, 13):
         p.update(step, loss=float(step), hits=step, total=20)
     assert lines[1] == "compiled in 30.0 s (the first step, compiling included); training..."
@@ -46,17 +50,31 @@ def test_progress_without_compiling_estimates_from_the_first_step():
     p.begin()
     for step in (1, 2, 3):
         p.update(step, loss=1.0, hits=1, total=2)
-    assert lines == ["step 2/3  loss 1.0000  train accuracy 0.500  elapsed 4 s  about 2 s left",
-                     "step 3/3  loss 1.0000  train accuracy 0.500  elapsed 6 s  about 0 s left"]
+    assert lines == [
+        "step 2/3  loss 1.0000  train accuracy 0.500  elapsed 4 s  about 2 s left",
+        "step 3/3  loss 1.0000  train accuracy 0.500  elapsed 6 s  about 0 s left",
+    ]
 
 
 def test_train_logs_every_step_at_interval_zero_and_ends_with_the_accuracy():
     """Three eager steps of a one-block model: the header, a line a step, the evaluation and
     the ``recall accuracy: <fraction>`` line last, whose value train returns."""
     lines = []
-    acc = mqar.train(3, compile=False, device="cpu", log_interval=0.0, eval_sequences=16,
-                     log=lines.append, d_model=32, layers=1, heads=1, head_dim=16,
-                     factors=(4, 4), read_topk=2, write_topk=2)
+    acc = mqar.train(
+        3,
+        compile=False,
+        device="cpu",
+        log_interval=0.0,
+        eval_sequences=16,
+        log=lines.append,
+        d_model=32,
+        layers=1,
+        heads=1,
+        head_dim=16,
+        factors=(4, 4),
+        read_topk=2,
+        write_topk=2,
+    )
     assert lines[0].startswith("mqar: 8 pairs, 8 queries, T = 24") and "3 steps" in lines[0]
     steps = [line for line in lines if line.startswith("step ")]
     assert [s.split()[1] for s in steps] == ["1/3", "2/3", "3/3"]
@@ -66,12 +84,12 @@ def test_train_logs_every_step_at_interval_zero_and_ends_with_the_accuracy():
     assert lines[-1] == f"recall accuracy: {acc:.4f}" and 0.0 <= acc <= 1.0
 
 
-@pytest.mark.parametrize("parser", [demo.build_parser(), mqar.build_parser()],
-                         ids=["demo", "mqar"])
+@pytest.mark.parametrize("parser", [demo.build_parser(), mqar.build_parser()], ids=["demo", "mqar"])
 def test_every_option_has_help_and_the_description_says_what_it_does(parser):
     options = [a for a in parser._actions if a.dest != "help"]
-    assert {"steps", "device", "no_compile", "seed", "threads", "log_interval"} <= \
-        {a.dest for a in options}
+    assert {"steps", "device", "no_compile", "seed", "threads", "log_interval"} <= {
+        a.dest for a in options
+    }
     for action in options:
         assert action.help and len(action.help) > 15, action.dest
     text = " ".join(parser.format_help().split())
@@ -81,9 +99,17 @@ def test_every_option_has_help_and_the_description_says_what_it_does(parser):
     assert (args.steps, args.seed, args.threads, args.log_interval) == (mqar.STEPS, 0, None, 5.0)
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "x"], ["--threads", "0"],
-                                  ["--log-interval", "-1"], ["--log-interval", "nan"],
-                                  ["--pairs", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--steps", "0"],
+        ["--steps", "x"],
+        ["--threads", "0"],
+        ["--log-interval", "-1"],
+        ["--log-interval", "nan"],
+        ["--pairs", "0"],
+    ],
+)
 def test_demo_rejects_bad_options(argv, capsys):
     with pytest.raises(SystemExit) as e:
         demo.build_parser().parse_args(argv)

@@ -57,8 +57,13 @@ def run_example(section: str) -> dict:
 
 
 def test_every_readme_example_is_tested():
-    tested = {"Train a compiled model", "Call the operators", "Decode under a CUDA graph",
-              "Packed variable-length batches", "Run opcheck"}
+    tested = {
+        "Train a compiled model",
+        "Call the operators",
+        "Decode under a CUDA graph",
+        "Packed variable-length batches",
+        "Run opcheck",
+    }
     assert set(readme_examples()) == tested
 
 
@@ -91,8 +96,10 @@ def test_readme_packed_example_runs_each_sequence_from_the_shared_bank():
     assert ns["out"].shape == (1, 400, 4, 64) and banks.shape == (3, 4, 4096, 64)
     assert torch.equal(banks[1], bank), "the empty sequence's bank changed"
     assert not torch.equal(banks[0], bank) and not torch.equal(banks[2], bank)
-    alone = sdm_ops.sparse_delta_memory(*(ns[k][:, 120:400] for k in (
-        "v", "beta", "write_idx", "write_w", "read_idx", "read_w")), bank)
+    alone = sdm_ops.sparse_delta_memory(
+        *(ns[k][:, 120:400] for k in ("v", "beta", "write_idx", "write_w", "read_idx", "read_w")),
+        bank,
+    )
     torch.testing.assert_close(banks[2], alone.bank[0])
     torch.testing.assert_close(ns["out"][:, 120:], alone.out)
 
@@ -109,7 +116,7 @@ def test_cuda_readme_decode_graph_example_matches_eager_decoding():
     T, tokens = ns["T"], ns["tokens"]
     eager = torch.zeros_like(ns["state"])
     for t in range(T):
-        last = sdm_ops.sparse_delta_memory_(*(x[:, t:t + 1] for x in tokens), eager)
+        last = sdm_ops.sparse_delta_memory_(*(x[:, t : t + 1] for x in tokens), eager)
     torch.cuda.synchronize()
     assert torch.equal(ns["state"], eager), "the replayed decode's bank differs from eager"
     assert torch.equal(ns["out_t"], last), "the last replay's output differs from eager"
@@ -118,9 +125,21 @@ def test_cuda_readme_decode_graph_example_matches_eager_decoding():
 def test_readme_benchmark_table_is_rendered_from_the_committed_results():
     results = ROOT / "benchmarks" / "results" / "h200.json"
     table = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "table.py"), str(results), "--section",
-         "main", "--section", "decode", "--section", "peers"],
-        check=True, capture_output=True, text=True).stdout.strip()
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "table.py"),
+            str(results),
+            "--section",
+            "main",
+            "--section",
+            "decode",
+            "--section",
+            "peers",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     assert table in README.read_text(), "README's table is not table.py's rendering"
 
 
@@ -142,8 +161,7 @@ def test_documented_modules_are_every_module_with_examples():
 def test_docstring_examples_run_and_print_what_they_show(name):
     module = importlib.import_module(name)
     runner = doctest.DocTestRunner()
-    tests = doctest.DocTestFinder().find(
-        module, extraglobs={"torch": torch, "sdm_ops": sdm_ops})
+    tests = doctest.DocTestFinder().find(module, extraglobs={"torch": torch, "sdm_ops": sdm_ops})
     assert any(t.examples for t in tests), f"{name} has no docstring example"
     for test in tests:
         runner.run(test)

@@ -33,9 +33,16 @@ triton = pytest.importorskip("triton")
 
 pytestmark = requires_kernels
 
-_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
-          torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8", torch.uint8: "*u8",
-          torch.float8_e4m3fn: "*fp8e4nv"}
+_TYPES = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
 
 
 @contextlib.contextmanager
@@ -43,6 +50,7 @@ def _recording(calls: list, run: bool = True):
     """Record every (kernel, positional args, keyword args) launched through wrap_triton, and
     launch it unless ``run`` is False (``tools/ptxas_report.py`` only records)."""
     import torch.library
+
     modules = kernel_modules()
     real = torch.library.wrap_triton
 
@@ -54,7 +62,9 @@ def _recording(calls: list, run: bool = True):
                 def launch(*args, **kwargs):
                     calls.append((kernel, args, kwargs))
                     return launcher[grid](*args, **kwargs) if run else None
+
                 return launch
+
         return Grid()
 
     saved = [(m, m.wrap_triton) for m in modules if hasattr(m, "wrap_triton")]
@@ -71,7 +81,7 @@ def _signature(kernel, args, kwargs):
     """(module, name, signature, constexprs, options) of one launch, as JSON-able values."""
     fn = kernel.fn if hasattr(kernel, "fn") else kernel
     code = fn.__code__
-    names = list(code.co_varnames[:code.co_argcount])
+    names = list(code.co_varnames[: code.co_argcount])
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
@@ -87,7 +97,7 @@ def _signature(kernel, args, kwargs):
         elif isinstance(value, bool):
             sig[name] = "i1"
         elif isinstance(value, int):
-            sig[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+            sig[name] = "i64" if abs(value) >= 2**31 else "i32"
         elif isinstance(value, float):
             sig[name] = "fp32"
         else:
@@ -118,9 +128,13 @@ print(json.dumps(failures))
 def _launches():
     """Run the forward and backward over configurations that cover the kernels' branches."""
     calls: list = []
-    cases = [dict(T=20, W=3, R=2, D=16), dict(T=20, W=2, R=5, D=32, decay=False),
-             dict(T=9, W=0, R=2, D=64), dict(T=40, W=8, R=8, D=16)]
-    tiles = [None] * len(cases) + [128]      # the last case: phase 2 over tiles of 2 tokens
+    cases = [
+        dict(T=20, W=3, R=2, D=16),
+        dict(T=20, W=2, R=5, D=32, decay=False),
+        dict(T=9, W=0, R=2, D=64),
+        dict(T=40, W=8, R=8, D=16),
+    ]
+    tiles = [None] * len(cases) + [128]  # the last case: phase 2 over tiles of 2 tokens
     cases.append(dict(T=20, W=3, R=2, D=16))
     # _out_kernel's launches: the walk leaves out to it whatever the device's SM count (the
     # walk that forms out itself is run below).
@@ -140,21 +154,28 @@ def _launches():
                     state = a["bank"].detach().clone()
                     rest = {k: v.detach() for k, v in a.items() if k != "bank"}
                     sdm_ops.sparse_delta_memory_(bank=state, **rest)
-                    sdm_ops.sparse_delta_memory_(bank=state, **{k: v[:, :1] for k, v in rest.items()})
+                    sdm_ops.sparse_delta_memory_(
+                        bank=state, **{k: v[:, :1] for k, v in rest.items()}
+                    )
         # A packed batch: the chunk tables and every phase's VARLEN branch.
-        a = make_packed_sdm_inputs([0, 7, 20, 3], H=1, D=16, S=9, W=3, R=2, seed=9,
-                                   device=KERNEL_DEVICE)
+        a = make_packed_sdm_inputs(
+            [0, 7, 20, 3], H=1, D=16, S=9, W=3, R=2, seed=9, device=KERNEL_DEVICE
+        )
         for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
             a[name].requires_grad_()
         out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
         (out.sum() + bank.sum()).backward()
         with torch.no_grad():
-            sdm_ops.sparse_delta_memory_(bank=a["bank"].detach().clone(),
-                                         **{k: v.detach() for k, v in a.items() if k != "bank"})
+            sdm_ops.sparse_delta_memory_(
+                bank=a["bank"].detach().clone(),
+                **{k: v.detach() for k, v in a.items() if k != "bank"},
+            )
         # The walk that forms out itself (where its programs are no more than the SMs).
         with mock.patch.object(recurrence_fwd, "_WALK_SMS", 1 << 20), torch.no_grad():
-            sdm_ops.sparse_delta_memory_(bank=a["bank"].detach().clone(),
-                                         **{k: v.detach() for k, v in a.items() if k != "bank"})
+            sdm_ops.sparse_delta_memory_(
+                bank=a["bank"].detach().clone(),
+                **{k: v.detach() for k, v in a.items() if k != "bank"},
+            )
             d = make_sdm_inputs(B=1, H=1, S=9, T=20, W=3, R=2, D=16, seed=5, device=KERNEL_DEVICE)
             sdm_ops.sparse_delta_memory_(bank=d.pop("bank"), **d)
         # The inference forward's bounded bank copy (a GPU runs it beside phase 1).
@@ -169,17 +190,22 @@ def _launches():
                 sdm_ops.product_key_topk(raw, (40, 2), k).val.sum().backward()
             # A factor merged chunk by chunk (three chunks) with a short list.
             with torch.no_grad():
-                sdm_ops.product_key_topk(torch.randn(2, 1100 + 2, dtype=dtype,
-                                                     device=KERNEL_DEVICE), (1100, 2), 3)
+                sdm_ops.product_key_topk(
+                    torch.randn(2, 1100 + 2, dtype=dtype, device=KERNEL_DEVICE), (1100, 2), 3
+                )
         A, QK = torch.randn(2, 2, 40, 40, device=KERNEL_DEVICE).unbind(0)
         beta = torch.rand(2, 40, device=KERNEL_DEVICE, requires_grad=True)
         X, QX = sdm_ops.wy_solve(A.requires_grad_(), beta, QK.requires_grad_())
         (X.sum() + QX.sum()).backward()
     seen, unique = set(), []
     for kernel, args, kwargs in calls:
-        key = (kernel, tuple(type(a).__name__ if not isinstance(a, torch.Tensor) else str(a.dtype)
-                             for a in args),
-               tuple(sorted((k, v) for k, v in kwargs.items())))
+        key = (
+            kernel,
+            tuple(
+                type(a).__name__ if not isinstance(a, torch.Tensor) else str(a.dtype) for a in args
+            ),
+            tuple(sorted((k, v) for k, v in kwargs.items())),
+        )
         if key not in seen:
             seen.add(key)
             unique.append((kernel, args, kwargs))
@@ -218,17 +244,49 @@ print(json.dumps(result))
 _OUTPUTS = {
     "_bank_copy_kernel": {"dst"},
     "_first_writes_kernel": {"first"},
-    "_chunk_prepare_kernel": {"A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay",
-                              "rank", "read_rank"},
+    "_chunk_prepare_kernel": {
+        "A",
+        "QK",
+        "gather_w",
+        "gather_r",
+        "scatter_w",
+        "row_decay",
+        "rank",
+        "read_rank",
+    },
     "_chunk_prepare_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
-    "_chunk_sort_kernel": {"gather_w", "gather_r", "scatter_w", "row_decay", "rank", "read_rank",
-                           "shared_count", "compact"},
-    "_chunk_pairs_kernel": {"A", "QK", "gather_w", "gather_r", "scatter_w", "row_decay", "rank",
-                            "read_rank"},
+    "_chunk_sort_kernel": {
+        "gather_w",
+        "gather_r",
+        "scatter_w",
+        "row_decay",
+        "rank",
+        "read_rank",
+        "shared_count",
+        "compact",
+    },
+    "_chunk_pairs_kernel": {
+        "A",
+        "QK",
+        "gather_w",
+        "gather_r",
+        "scatter_w",
+        "row_decay",
+        "rank",
+        "read_rank",
+    },
     "_chunk_sort_bwd_kernel": {"d_write_w", "d_decay", "d_read_w", "shared_count", "compact"},
     "_chunk_pairs_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
-    "_recurrence_fwd_kernel": {"bank", "out", "res", "delta", "scratch", "snap", "snap_scale",
-                               "inter_buf"},
+    "_recurrence_fwd_kernel": {
+        "bank",
+        "out",
+        "res",
+        "delta",
+        "scratch",
+        "snap",
+        "snap_scale",
+        "inter_buf",
+    },
     "_out_kernel": {"out"},
     "_recurrence_bwd_kernel": {"dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw", "p_rd"},
     "_dual_matmul_bwd_kernel": {"dX", "dQX", "dbeta"},
@@ -255,9 +313,16 @@ def _run_fresh(script: str, payload, *argv: str) -> list:
     import os
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script, *argv], input=json.dumps(payload),
-                          capture_output=True, text=True, env=env, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -273,6 +338,7 @@ def test_every_launched_kernel_configuration_compiles_for_sm90():
 
 def test_inductor_counts_only_each_kernels_outputs_as_written():
     import json
+
     launches = _launch_signatures()
     dtypes = {t: str(d).removeprefix("torch.") for d, t in _TYPES.items()}
     seen = set()
@@ -280,6 +346,8 @@ def test_inductor_counts_only_each_kernels_outputs_as_written():
         seen.add(name)
         assert written, f"{name}: the analysis found no tensor written"
         extra = set(written) - _OUTPUTS[name]
-        assert not extra, (f"{name}: Inductor counts read-only arguments {sorted(extra)} as "
-                           f"written, so compiled graphs clone them around every launch")
+        assert not extra, (
+            f"{name}: Inductor counts read-only arguments {sorted(extra)} as "
+            f"written, so compiled graphs clone them around every launch"
+        )
     assert seen == set(_OUTPUTS), f"kernels not analysed: {set(_OUTPUTS) - seen}"

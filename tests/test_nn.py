@@ -11,15 +11,25 @@ import torch
 from sdm_ops.nn import SparseDeltaMemory
 from tests.helpers import assert_close
 
-RTOL = 1e-5     # the same recurrence split differently: float32 rounding
+RTOL = 1e-5  # the same recurrence split differently: float32 rounding
 B, T, D_MODEL = 2, 37, 32
 
 
 def make_layer(seed: int = 0, **kwargs) -> SparseDeltaMemory:
     """A small layer; ``factors (4, 4)`` gives 16 slots, so tokens often share slots (and
     decay and overwrite what earlier tokens wrote). The initial bank is random, not zeros."""
-    opts = dict(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3,
-                write_topk=2, chunk_size=16) | kwargs
+    opts = (
+        dict(
+            d_model=D_MODEL,
+            heads=2,
+            head_dim=16,
+            factors=(4, 4),
+            read_topk=3,
+            write_topk=2,
+            chunk_size=16,
+        )
+        | kwargs
+    )
     torch.manual_seed(seed)
     layer = SparseDeltaMemory(**opts)
     with torch.no_grad():
@@ -56,8 +66,11 @@ def test_gradients_reach_every_parameter(decay):
     x = make_x().requires_grad_()
     g = torch.randn(B, T, D_MODEL, generator=torch.Generator().manual_seed(2))
     (layer(x) * g).sum().backward()
-    missing = [n for n, p in layer.named_parameters()
-               if p.grad is None or not torch.isfinite(p.grad).all() or p.grad.abs().sum() == 0]
+    missing = [
+        n
+        for n, p in layer.named_parameters()
+        if p.grad is None or not torch.isfinite(p.grad).all() or p.grad.abs().sum() == 0
+    ]
     assert not missing, f"parameters without a finite non-zero gradient: {missing}"
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     assert (layer.decay_proj is not None) == decay
@@ -80,7 +93,7 @@ def test_step_token_by_token_equals_forward(decay):
     x = make_x()
     want, want_state = layer(x, return_state=True)
     state = layer.initial_state(B)
-    got = torch.cat([layer.step_(x[:, t:t + 1], state) for t in range(T)], 1)
+    got = torch.cat([layer.step_(x[:, t : t + 1], state) for t in range(T)], 1)
     assert not got.requires_grad
     assert_close(got, want, rtol=RTOL, name="y of step_")
     assert_close(state, want_state, rtol=RTOL, name="state after step_")
@@ -92,19 +105,23 @@ def test_step_after_a_prompt_in_blocks_equals_forward():
     want = layer(x)
     _, state = layer(x[:, :20], return_state=True)
     state = state.detach()
-    got = [layer.step_(x[:, 20:29], state), layer.step_(x[:, 29:30], state),
-           layer.step_(x[:, 30:], state)]
+    got = [
+        layer.step_(x[:, 20:29], state),
+        layer.step_(x[:, 29:30], state),
+        layer.step_(x[:, 30:], state),
+    ]
     assert_close(torch.cat(got, 1), want[:, 20:], rtol=RTOL, name="y of step_ after a prompt")
 
 
 def test_decay_off_equals_decay_of_one():
     """use_decay=False runs the recurrence without decay: the same as decays of exactly 1."""
     on, off = make_layer(use_decay=True), make_layer(use_decay=False)
-    off.load_state_dict({k: v for k, v in on.state_dict().items()
-                         if not k.startswith("decay_proj.")})
+    off.load_state_dict(
+        {k: v for k, v in on.state_dict().items() if not k.startswith("decay_proj.")}
+    )
     with torch.no_grad():
         on.decay_proj.weight.zero_()
-        on.decay_proj.bias.fill_(100.0)          # sigmoid(100) == 1 in float32
+        on.decay_proj.bias.fill_(100.0)  # sigmoid(100) == 1 in float32
     x = make_x()
     assert_close(on(x), off(x), rtol=RTOL, name="decay 1 against decay off")
     with torch.no_grad():
@@ -112,24 +129,45 @@ def test_decay_off_equals_decay_of_one():
     assert (on(x) - off(x)).abs().max() > 1e-3, "a decay of sigmoid(-2) changed nothing"
 
 
-@pytest.mark.parametrize("option, value", [
-    ("d_model", 0), ("heads", 0), ("head_dim", 24), ("factors", ()), ("factors", (4, 5000)),
-    ("factors", (2048, 1024)), ("read_topk", 0), ("read_topk", 65), ("write_topk", 0),
-    ("write_topk", 100), ("chunk_size", 48), ("snapshot", "fp16"), ("key_dim", 0),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("d_model", 0),
+        ("heads", 0),
+        ("head_dim", 24),
+        ("factors", ()),
+        ("factors", (4, 5000)),
+        ("factors", (2048, 1024)),
+        ("read_topk", 0),
+        ("read_topk", 65),
+        ("write_topk", 0),
+        ("write_topk", 100),
+        ("chunk_size", 48),
+        ("snapshot", "fp16"),
+        ("key_dim", 0),
+    ],
+)
 def test_bad_option_raises_value_error_naming_it(option, value):
-    opts = dict(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3,
-                write_topk=2) | {option: value}
+    opts = dict(
+        d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3, write_topk=2
+    ) | {option: value}
     with pytest.raises(ValueError, match=option):
         SparseDeltaMemory(**opts)
 
 
-@pytest.mark.parametrize("option, value", [
-    ("heads", 2.0), ("factors", 16), ("read_topk", True), ("use_decay", 1),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("heads", 2.0),
+        ("factors", 16),
+        ("read_topk", True),
+        ("use_decay", 1),
+    ],
+)
 def test_option_of_wrong_type_raises_type_error_naming_it(option, value):
-    opts = dict(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3,
-                write_topk=2) | {option: value}
+    opts = dict(
+        d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3, write_topk=2
+    ) | {option: value}
     with pytest.raises(TypeError, match=option):
         SparseDeltaMemory(**opts)
 
@@ -161,8 +199,10 @@ def test_a_few_training_steps_lower_the_loss():
 def test_packed_sequences_equal_each_sequence_alone_forward_and_gradients():
     layer = make_layer()
     lengths = [5, 0, 21, 11]
-    xs = [torch.randn(1, n, D_MODEL, generator=torch.Generator().manual_seed(10 + i))
-          for i, n in enumerate(lengths)]
+    xs = [
+        torch.randn(1, n, D_MODEL, generator=torch.Generator().manual_seed(10 + i))
+        for i, n in enumerate(lengths)
+    ]
     cu = torch.tensor([0, 5, 5, 26, 37], dtype=torch.int32)
     packed = torch.cat(xs, 1).requires_grad_()
     y, state = layer(packed, return_state=True, cu_seqlens=cu)
@@ -182,14 +222,18 @@ def test_packed_sequences_equal_each_sequence_alone_forward_and_gradients():
     one = torch.arange(5, dtype=torch.int32)
     got = layer.step_(step, state.detach().clone(), cu_seqlens=one)
     for n in range(4):
-        want_n = layer(step[:, n:n + 1], state=state[n:n + 1].detach())
-        assert_close(got[:, n:n + 1], want_n, rtol=RTOL, name=f"step of sequence {n}")
+        want_n = layer(step[:, n : n + 1], state=state[n : n + 1].detach())
+        assert_close(got[:, n : n + 1], want_n, rtol=RTOL, name=f"step of sequence {n}")
 
 
-@pytest.mark.parametrize("x, error", [
-    (torch.zeros(B, T, D_MODEL + 1), ValueError), (torch.zeros(T, D_MODEL), ValueError),
-    ([[0.0] * D_MODEL], TypeError),
-])
+@pytest.mark.parametrize(
+    "x, error",
+    [
+        (torch.zeros(B, T, D_MODEL + 1), ValueError),
+        (torch.zeros(T, D_MODEL), ValueError),
+        ([[0.0] * D_MODEL], TypeError),
+    ],
+)
 def test_bad_x_raises_naming_x(x, error):
     layer = make_layer()
     with pytest.raises(error, match="x must"):
@@ -214,12 +258,16 @@ def test_x_on_another_device_than_the_parameters_raises_naming_x():
         layer(make_x().to("meta"))
 
 
-@pytest.mark.parametrize("make, error, text", [
-    (lambda s: s.double(), TypeError, "state must have dtype"),
-    (lambda s: s.to(torch.int32), TypeError, "state must have dtype"),
-    (lambda s: s.to("meta"), ValueError, "state is on meta"),
-    (lambda s: s.tolist(), TypeError, "state must be a torch.Tensor"),
-], ids=["float64", "int32", "meta", "list"])
+@pytest.mark.parametrize(
+    "make, error, text",
+    [
+        (lambda s: s.double(), TypeError, "state must have dtype"),
+        (lambda s: s.to(torch.int32), TypeError, "state must have dtype"),
+        (lambda s: s.to("meta"), ValueError, "state is on meta"),
+        (lambda s: s.tolist(), TypeError, "state must be a torch.Tensor"),
+    ],
+    ids=["float64", "int32", "meta", "list"],
+)
 def test_bad_state_is_reported_as_state_not_bank(make, error, text):
     layer = make_layer()
     x = make_x(5)
@@ -236,7 +284,7 @@ def test_step_needs_a_contiguous_state_and_names_it():
     with pytest.raises(ValueError, match="state must be contiguous"):
         layer.step_(make_x(1), state)
     assert torch.equal(state, before)
-    layer(make_x(1), state=state)           # forward does not write the state: any layout
+    layer(make_x(1), state=state)  # forward does not write the state: any layout
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -252,8 +300,15 @@ def test_cu_seqlens_as_a_list_raises_type_error_naming_it(with_state):
 
 def test_a_layer_on_the_meta_device_gives_meta_outputs_of_the_right_shapes():
     with torch.device("meta"):
-        layer = SparseDeltaMemory(d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4),
-                                  read_topk=3, write_topk=2, chunk_size=16)
+        layer = SparseDeltaMemory(
+            d_model=D_MODEL,
+            heads=2,
+            head_dim=16,
+            factors=(4, 4),
+            read_topk=3,
+            write_topk=2,
+            chunk_size=16,
+        )
         x = torch.empty(B, T, D_MODEL)
     y, state = layer(x, return_state=True)
     assert y.is_meta and state.is_meta
@@ -266,8 +321,9 @@ def test_a_layer_on_the_meta_device_gives_meta_outputs_of_the_right_shapes():
 def test_parameters_have_fla_style_projection_names(use_decay):
     layer = make_layer(use_decay=use_decay)
     assert layer.use_decay is use_decay
-    names = {"q_proj", "k_proj", "v_proj", "b_proj", "o_proj"} | ({"decay_proj"} if use_decay
-                                                                 else set())
+    names = {"q_proj", "k_proj", "v_proj", "b_proj", "o_proj"} | (
+        {"decay_proj"} if use_decay else set()
+    )
     assert {n for n, _ in layer.named_children()} == names
     assert {n for n, _ in layer.named_parameters(recurse=False)} == {"sub_keys", "bank"}
     assert all(isinstance(getattr(layer, n), torch.nn.Linear) for n in names)

@@ -55,16 +55,21 @@ from tests.helpers import (
 )
 
 FAILURES_DICT = os.path.join(os.path.dirname(__file__), "opcheck_failures.json")
-RTOL = 1e-5          # float32 against float64 (the numerical contract)
-BF16_RTOL = 3e-2     # bfloat16 inputs and bank: a few units of 2^-8 (as tests/test_recurrence.py)
-OPCHECK_UTILS = ["test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic"]
+RTOL = 1e-5  # float32 against float64 (the numerical contract)
+BF16_RTOL = 3e-2  # bfloat16 inputs and bank: a few units of 2^-8 (as tests/test_recurrence.py)
+OPCHECK_UTILS = [
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+]
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
 # ---------------------------------------------------------------------------
 # Input makers beside tests.helpers.make_sdm_inputs (CPU float32, then moved; fresh per seed)
 # ---------------------------------------------------------------------------
+
 
 def permuted_copy(t: torch.Tensor, perm) -> torch.Tensor:
     """A non-contiguous tensor equal to ``t``: stored in the dimension order ``perm``."""
@@ -75,9 +80,16 @@ def permuted_copy(t: torch.Tensor, perm) -> torch.Tensor:
 
 
 # A dense non-contiguous layout for each argument of the recurrence.
-SDM_PERMS = {"v": (2, 0, 3, 1), "beta": (2, 1, 0), "write_idx": (3, 0, 2, 1),
-             "write_w": (3, 1, 0, 2), "read_idx": (2, 3, 1, 0), "read_w": (3, 2, 1, 0),
-             "bank": (3, 2, 1, 0), "decay": (1, 3, 0, 2)}
+SDM_PERMS = {
+    "v": (2, 0, 3, 1),
+    "beta": (2, 1, 0),
+    "write_idx": (3, 0, 2, 1),
+    "write_w": (3, 1, 0, 2),
+    "read_idx": (2, 3, 1, 0),
+    "read_w": (3, 2, 1, 0),
+    "bank": (3, 2, 1, 0),
+    "decay": (1, 3, 0, 2),
+}
 
 
 def permuted_sdm_args(args: dict) -> dict:
@@ -108,12 +120,12 @@ def chunk_start_rows(args: dict, chunk_size: int) -> torch.Tensor:
     rows = torch.zeros(B, T, H, E, D, dtype=torch.float64)
     for t0 in range(0, T, chunk_size):
         head = {k: (v if k == "bank" else v[:, :t0]) for k, v in a.items()}
-        _, M = sdm_token_reference(**head)                       # [B, H, S, D]
-        idx = torch.cat([a["write_idx"], a["read_idx"]], -1)[:, t0:t0 + chunk_size]
-        idx = idx.transpose(1, 2)                                # [B, H, c, E]
+        _, M = sdm_token_reference(**head)  # [B, H, S, D]
+        idx = torch.cat([a["write_idx"], a["read_idx"]], -1)[:, t0 : t0 + chunk_size]
+        idx = idx.transpose(1, 2)  # [B, H, c, E]
         got = torch.gather(M, 2, idx.clamp(0, S - 1).reshape(B, H, -1, 1).expand(-1, -1, -1, D))
         got = got.reshape(*idx.shape, D).transpose(1, 2)
-        rows[:, t0:t0 + chunk_size] = torch.where((idx.transpose(1, 2) >= 0)[..., None], got, 0)
+        rows[:, t0 : t0 + chunk_size] = torch.where((idx.transpose(1, 2) >= 0)[..., None], got, 0)
     return rows
 
 
@@ -123,15 +135,25 @@ def recurrence_values(args: dict, chunk_size: int) -> dict:
     ``bank_rows`` and ``chunk_size``."""
     a = {k: v.contiguous() for k, v in args.items()}
     C, T = chunk_size, a["beta"].shape[1]
-    chunks, seq_chunks = (None, None) if "cu_seqlens" not in a else ops.varlen_chunks(
-        a["cu_seqlens"], T, C)
-    values = dict(a, decay=a.get("decay"), bank_rows=a["bank"].shape[-2], chunk_size=C,
-                  chunks=chunks, seq_chunks=seq_chunks)
+    chunks, seq_chunks = (
+        (None, None) if "cu_seqlens" not in a else ops.varlen_chunks(a["cu_seqlens"], T, C)
+    )
+    values = dict(
+        a,
+        decay=a.get("decay"),
+        bank_rows=a["bank"].shape[-2],
+        chunk_size=C,
+        chunks=chunks,
+        seq_chunks=seq_chunks,
+    )
     prep = ops.chunk_prepare(*op_args(ops.chunk_prepare, values))
     assert len(prep) == len(Prepared._fields), "chunk_prepare no longer returns Prepared"
     values.update(zip(Prepared._fields, prep))
-    X, QX = ops.wy_solve(values["A"].reshape(-1, C, C), _chunk_betas(a["beta"], C, chunks),
-                         values["QK"].reshape(-1, C, C))
+    X, QX = ops.wy_solve(
+        values["A"].reshape(-1, C, C),
+        _chunk_betas(a["beta"], C, chunks),
+        values["QK"].reshape(-1, C, C),
+    )
     values.update(X=X.view(values["A"].shape), QX=QX.view(values["A"].shape))
     return values
 
@@ -146,6 +168,7 @@ def op_args(op, values: dict) -> tuple:
 # Numerics, turned into opcheck tests by generate_opcheck_tests
 # ---------------------------------------------------------------------------
 
+
 class OpsNumerics:
     """Numerics of every operator on ``device``; mixed into one unittest class per device."""
 
@@ -159,15 +182,20 @@ class OpsNumerics:
         self.assertTrue(X.is_contiguous() and QX.is_contiguous())
         A64, beta64, QK64 = (t.detach().cpu().double().requires_grad_() for t in (A, beta, QK))
         M = torch.eye(16, dtype=torch.float64) + torch.tril(beta64[..., None] * A64, -1)
-        assert_close(X.detach().cpu().double() @ M.detach(),
-                     torch.eye(16, dtype=torch.float64).expand(3, 16, 16), rtol=RTOL, name="X M")
+        assert_close(
+            X.detach().cpu().double() @ M.detach(),
+            torch.eye(16, dtype=torch.float64).expand(3, 16, 16),
+            rtol=RTOL,
+            name="X M",
+        )
         rX, rQX = wy_solve_reference(A64, beta64, QK64)
         assert_close(X, rX, rtol=RTOL, name="X")
         assert_close(QX, rQX, rtol=RTOL, name="QX")
         g = torch.Generator().manual_seed(2)
         dX, dQX = torch.randn(2, 3, 16, 16, generator=g)
-        grads = torch.autograd.grad((X, QX), (A, beta, QK),
-                                    (dX.to(self.device), dQX.to(self.device)))
+        grads = torch.autograd.grad(
+            (X, QX), (A, beta, QK), (dX.to(self.device), dQX.to(self.device))
+        )
         rgrads = torch.autograd.grad((rX, rQX), (A64, beta64, QK64), (dX.double(), dQX.double()))
         for name, got, want in zip(("dA", "dbeta", "dQK"), grads, rgrads):
             assert_close(got, want, rtol=RTOL, name=name)
@@ -179,7 +207,7 @@ class OpsNumerics:
         A_p.requires_grad_()
         X, QX = sdm_ops.wy_solve(A_p, beta_p, QK_p)
         self.assertTrue(torch.equal(X, sdm_ops.wy_solve(A, beta, QK).X))
-        (X * X).sum().backward()            # QX unused: its gradient is None
+        (X * X).sum().backward()  # QX unused: its gradient is None
         A64, beta64 = (t.detach().cpu().double().requires_grad_() for t in (A, beta))
         rX, _ = wy_solve_reference(A64, beta64, QK.cpu().double())
         (rX * rX).sum().backward()
@@ -195,11 +223,14 @@ class OpsNumerics:
         scores = dense_product_scores(raw.detach().cpu(), factors)
         lin_c = lin.cpu()
         self.assertTrue(bool((lin_c[..., 1:] > lin_c[..., :-1]).all()), "lin not ascending")
-        torch.testing.assert_close(val.detach().cpu(), scores.gather(-1, lin_c).to(raw.dtype),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            val.detach().cpu(), scores.gather(-1, lin_c).to(raw.dtype), rtol=0, atol=0
+        )
         rest = scores.scatter(-1, lin_c, -math.inf)
-        self.assertTrue(bool((scores.gather(-1, lin_c).amin(-1) >= rest.amax(-1)).all()),
-                        "a slot not selected scores higher than one selected")
+        self.assertTrue(
+            bool((scores.gather(-1, lin_c).amin(-1) >= rest.amax(-1)).all()),
+            "a slot not selected scores higher than one selected",
+        )
         rval, rlin = product_key_topk_bruteforce(raw.detach().cpu(), tuple(factors), k)
         self.assertTrue(torch.equal(lin_c, rlin))
 
@@ -211,12 +242,13 @@ class OpsNumerics:
         g = torch.randn(val.shape, generator=torch.Generator().manual_seed(5))
         (grad,) = torch.autograd.grad(val, raw, g.to(self.device))
         raw_c = raw.detach().cpu().requires_grad_()
-        (want,) = torch.autograd.grad(dense_product_scores(raw_c, factors).gather(-1, lin.cpu()),
-                                      raw_c, g)
+        (want,) = torch.autograd.grad(
+            dense_product_scores(raw_c, factors).gather(-1, lin.cpu()), raw_c, g
+        )
         assert_close(grad, want, rtol=0, atol=1e-6, name="grad raw")
 
     def test_product_key_topk_three_factors_k_past_product_permuted_raw(self):
-        factors, k = (3, 2, 4), 30          # kk = 24: every slot, ascending
+        factors, k = (3, 2, 4), 30  # kk = 24: every slot, ascending
         raw = make_raw((5, 2), factors, seed=6, device=self.device)
         raw_p = permuted_copy(raw, (1, 0, 2))
         val, lin = sdm_ops.product_key_topk(raw_p, factors, k)
@@ -225,8 +257,9 @@ class OpsNumerics:
 
     def test_product_key_topk_bfloat16_four_factors_gradient(self):
         factors, k = (2, 3, 2, 3), 5
-        raw = make_raw((4,), factors, seed=7, device=self.device, dtype=torch.bfloat16,
-                       requires_grad=True)
+        raw = make_raw(
+            (4,), factors, seed=7, device=self.device, dtype=torch.bfloat16, requires_grad=True
+        )
         val, lin = sdm_ops.product_key_topk(raw, factors, k)
         self._check_topk(raw, factors, k, val, lin)
         val.float().sum().backward()
@@ -250,95 +283,146 @@ class OpsNumerics:
         return out, bank
 
     def test_sparse_delta_memory_with_decay_chunk16_matches_token_reference(self):
-        args = make_sdm_inputs(2, 37, 2, 16, 24, 3, 2, seed=8, decay=True, shared=False,
-                               device=self.device)
+        args = make_sdm_inputs(
+            2, 37, 2, 16, 24, 3, 2, seed=8, decay=True, shared=False, device=self.device
+        )
         bank0 = args["bank"].clone()
         self._check_sdm(args, 16)
         self.assertTrue(torch.equal(args["bank"], bank0), "bank was modified")
 
     def test_sparse_delta_memory_shared_bank_int32_no_decay_chunk32_matches_token_reference(self):
-        args = make_sdm_inputs(2, 45, 2, 16, 20, 4, 3, seed=9, decay=False, shared=True,
-                               index_dtype=torch.int32, device=self.device)
+        args = make_sdm_inputs(
+            2,
+            45,
+            2,
+            16,
+            20,
+            4,
+            3,
+            seed=9,
+            decay=False,
+            shared=True,
+            index_dtype=torch.int32,
+            device=self.device,
+        )
         self._check_sdm(args, 32)
 
     def test_sparse_delta_memory_permuted_inputs_equal_contiguous(self):
-        args = make_sdm_inputs(2, 20, 2, 16, 24, 2, 2, seed=10, decay=True, shared=False,
-                               device=self.device)
+        args = make_sdm_inputs(
+            2, 20, 2, 16, 24, 2, 2, seed=10, decay=True, shared=False, device=self.device
+        )
         permuted = permuted_sdm_args(args)
         for c in (16, 32):
             out, bank = sdm_ops.sparse_delta_memory(**permuted, chunk_size=c)
             want_out, want_bank = sdm_ops.sparse_delta_memory(**args, chunk_size=c)
-            self.assertTrue(torch.equal(out, want_out) and torch.equal(bank, want_bank),
-                            f"chunk {c}: permuted inputs changed the result")
+            self.assertTrue(
+                torch.equal(out, want_out) and torch.equal(bank, want_bank),
+                f"chunk {c}: permuted inputs changed the result",
+            )
 
     def test_sparse_delta_memory_bfloat16_within_rounding_of_float32(self):
-        args = make_sdm_inputs(1, 33, 2, 16, 20, 3, 2, seed=11, decay=True, shared=True,
-                               dtype=torch.bfloat16, device=self.device)
+        args = make_sdm_inputs(
+            1,
+            33,
+            2,
+            16,
+            20,
+            3,
+            2,
+            seed=11,
+            decay=True,
+            shared=True,
+            dtype=torch.bfloat16,
+            device=self.device,
+        )
         # The reference runs on the same (bf16-rounded) values in float64.
         self._check_sdm(args, 16, rtol=BF16_RTOL)
 
     def test_sparse_delta_memory_inplace_matches_token_reference_prefill_and_decode(self):
-        args = make_sdm_inputs(2, 34, 1, 16, 24, 3, 2, seed=12, decay=True, shared=False,
-                               index_dtype=torch.int32, device=self.device)
+        args = make_sdm_inputs(
+            2,
+            34,
+            1,
+            16,
+            24,
+            3,
+            2,
+            seed=12,
+            decay=True,
+            shared=False,
+            index_dtype=torch.int32,
+            device=self.device,
+        )
         want_out, want_bank = sdm_token_reference(**to_float64(args))
         seq = {k: v for k, v in args.items() if k != "bank"}
         bank = args["bank"].clone()
-        out = sdm_ops.sparse_delta_memory_(bank=bank, **{k: v[:, :32] for k, v in seq.items()},
-                                           chunk_size=16)
+        out = sdm_ops.sparse_delta_memory_(
+            bank=bank, **{k: v[:, :32] for k, v in seq.items()}, chunk_size=16
+        )
         assert_close(out, want_out[:, :32], rtol=RTOL, name="out (prefill)")
-        for t in (32, 33):     # decode steps, T = 1
-            step = sdm_ops.sparse_delta_memory_(bank=bank, **{k: v[:, t:t + 1] for k, v in seq.items()})
-            assert_close(step, want_out[:, t:t + 1], rtol=RTOL, name=f"out (step {t})")
+        for t in (32, 33):  # decode steps, T = 1
+            step = sdm_ops.sparse_delta_memory_(
+                bank=bank, **{k: v[:, t : t + 1] for k, v in seq.items()}
+            )
+            assert_close(step, want_out[:, t : t + 1], rtol=RTOL, name=f"out (step {t})")
         assert_close(bank, want_bank, rtol=RTOL, name="bank")
 
     def test_sparse_delta_memory_packed_batch_equals_each_sequence_alone(self):
-        args = make_packed_sdm_inputs([4, 0, 21, 16], 2, 16, 20, 3, 2, seed=14, decay=True,
-                                      device=self.device)
-        cu = args.pop("cu_seqlens").long()        # int64 offsets (the helper gives int32)
+        args = make_packed_sdm_inputs(
+            [4, 0, 21, 16], 2, 16, 20, 3, 2, seed=14, decay=True, device=self.device
+        )
+        cu = args.pop("cu_seqlens").long()  # int64 offsets (the helper gives int32)
         out, bank = sdm_ops.sparse_delta_memory(**args, cu_seqlens=cu, chunk_size=16)
-        want_out, want_bank = sdm_varlen_reference(**to_float64(args), cu_seqlens=cu.cpu(),
-                                                   chunk_size=16)
+        want_out, want_bank = sdm_varlen_reference(
+            **to_float64(args), cu_seqlens=cu.cpu(), chunk_size=16
+        )
         assert_close(out, want_out, rtol=RTOL, name="out")
         assert_close(bank, want_bank, rtol=RTOL, name="bank")
 
     def test_sparse_delta_memory_gradients_match_float64_reference_permuted_inputs(self):
-        args = make_sdm_inputs(1, 21, 2, 16, 12, 3, 2, seed=15, decay=True, shared=True,
-                               device=self.device)
+        args = make_sdm_inputs(
+            1, 21, 2, 16, 12, 3, 2, seed=15, decay=True, shared=True, device=self.device
+        )
         floats = ("v", "beta", "write_w", "read_w", "bank", "decay")
         leaves = {k: permuted_sdm_args(args)[k].requires_grad_() for k in floats}
         out, bank = sdm_ops.sparse_delta_memory(**dict(args, **leaves), chunk_size=16)
         g = torch.Generator().manual_seed(16)
         g_out, g_bank = torch.randn(out.shape, generator=g), torch.randn(bank.shape, generator=g)
-        grads = torch.autograd.grad((out, bank), [leaves[k] for k in floats],
-                                    (g_out.to(self.device), g_bank.to(self.device)))
+        grads = torch.autograd.grad(
+            (out, bank),
+            [leaves[k] for k in floats],
+            (g_out.to(self.device), g_bank.to(self.device)),
+        )
         a64 = to_float64(args)
         for k in floats:
             a64[k].requires_grad_()
         r_out, r_bank = sdm_chunked_reference(**a64, chunk_size=16)
-        want = torch.autograd.grad((r_out, r_bank), [a64[k] for k in floats],
-                                   (g_out.double(), g_bank.double()))
+        want = torch.autograd.grad(
+            (r_out, r_bank), [a64[k] for k in floats], (g_out.double(), g_bank.double())
+        )
         for k, got, ref in zip(floats, grads, want):
             assert_close(got, ref, rtol=RTOL, name=f"d{k}")
 
     def test_recurrence_fwd_snapshots_hold_chunk_start_rows(self):
-        args = make_sdm_inputs(1, 40, 2, 32, 16, 3, 2, seed=13, decay=True, shared=False,
-                               device=self.device)
+        args = make_sdm_inputs(
+            1, 40, 2, 32, 16, 3, 2, seed=13, decay=True, shared=False, device=self.device
+        )
         C = 16
         values = recurrence_values(args, C)
         rows = chunk_start_rows(args, C)
         want_out, want_bank = sdm_chunked_reference(**to_float64(args), chunk_size=C)
         # Quantization error bounds: bf16 2^-9 of each value; fp8 (e4m3) 2^-4 of each value;
         # int4 half a step (1/14 of the group's largest magnitude), each with float32 slack.
-        for mode, tol in (("none", RTOL), ("bf16", 2 ** -8), ("fp8", 2 ** -3),
-                          ("int4", 1 / 14 + 1e-4)):
+        for mode, tol in (("none", RTOL), ("bf16", 2**-8), ("fp8", 2**-3), ("int4", 1 / 14 + 1e-4)):
             out, bank, snap, scale = ops.recurrence_fwd(
-                *op_args(ops.recurrence_fwd, dict(values, snapshot=mode)))[:4]
+                *op_args(ops.recurrence_fwd, dict(values, snapshot=mode))
+            )[:4]
             assert_close(out, want_out, rtol=RTOL, name=f"out ({mode})")
             assert_close(bank, want_bank, rtol=RTOL, name=f"bank ({mode})")
             got = dequantize_rows(snap.cpu(), scale.cpu(), mode).double()
-            if mode in ("fp8", "int4"):      # error relative to each group's largest magnitude
+            if mode in ("fp8", "int4"):  # error relative to each group's largest magnitude
                 amax = rows.unflatten(-1, (-1, QUANT_GROUP)).abs().amax(-1, keepdim=True)
-                err = ((got - rows).unflatten(-1, (-1, QUANT_GROUP)).abs() / amax.clamp(min=1e-30))
+                err = (got - rows).unflatten(-1, (-1, QUANT_GROUP)).abs() / amax.clamp(min=1e-30)
                 self.assertLessEqual(err.max().item(), tol, f"snapshot {mode}")
             else:
                 assert_close(got, rows, rtol=tol, name=f"snapshot ({mode})")
@@ -355,8 +439,13 @@ class TestOpsNumericsCUDA(OpsNumerics, unittest.TestCase):
 
 
 def _generate_opcheck_tests(case: type) -> None:
-    generate_opcheck_tests(case, [ops.PUBLIC, ops.INTERNAL], failures_dict_path=FAILURES_DICT,
-                           additional_decorators={}, test_utils=OPCHECK_UTILS)
+    generate_opcheck_tests(
+        case,
+        [ops.PUBLIC, ops.INTERNAL],
+        failures_dict_path=FAILURES_DICT,
+        additional_decorators={},
+        test_utils=OPCHECK_UTILS,
+    )
 
 
 _generate_opcheck_tests(TestOpsNumericsCPU)
@@ -371,18 +460,30 @@ def test_failures_dict_is_empty():
 
 def registered_operators(namespace: str) -> set[str]:
     """The names of the operators registered in ``namespace``."""
-    return {name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
-            if name.split("::", 1)[0] == namespace}
+    return {
+        name.split("::", 1)[1]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.split("::", 1)[0] == namespace
+    }
 
 
 def test_the_public_namespace_holds_exactly_the_public_operators():
-    assert registered_operators("sdm") == {"sparse_delta_memory", "sparse_delta_memory_",
-                                           "product_key_topk", "wy_solve"}
+    assert registered_operators("sdm") == {
+        "sparse_delta_memory",
+        "sparse_delta_memory_",
+        "product_key_topk",
+        "wy_solve",
+    }
     for name in ("sparse_delta_memory", "sparse_delta_memory_", "product_key_topk", "wy_solve"):
         assert getattr(ops, name)._qualname == f"sdm::{name}"
-        assert getattr(sdm_ops, name).__module__ != "sdm_ops.ops", name   # the checked wrapper
-    assert {"chunk_prepare", "recurrence_fwd", "recurrence_bwd", "wy_solve_backward",
-            "wy_solve_reference"} <= registered_operators("sdm_internal")
+        assert getattr(sdm_ops, name).__module__ != "sdm_ops.ops", name  # the checked wrapper
+    assert {
+        "chunk_prepare",
+        "recurrence_fwd",
+        "recurrence_bwd",
+        "wy_solve_backward",
+        "wy_solve_reference",
+    } <= registered_operators("sdm_internal")
 
 
 # ---------------------------------------------------------------------------
@@ -391,8 +492,10 @@ def test_the_public_namespace_holds_exactly_the_public_operators():
 
 # The CPU branch of each internal operator (and of sdm::wy_solve and sdm::product_key_topk)
 # calls its opaque reference operator (ops._reference_op), named <op>_reference except here.
-REFERENCE_TWINS = {"recurrence_fwd_": "recurrence_fwd_inplace_reference",
-                   "decode_step_": "decode_step_inplace_reference"}
+REFERENCE_TWINS = {
+    "recurrence_fwd_": "recurrence_fwd_inplace_reference",
+    "decode_step_": "decode_step_inplace_reference",
+}
 
 
 def reference_twin(name: str) -> str | None:
@@ -409,10 +512,12 @@ def opcheck(op, args, kwargs=None):
     twin = reference_twin(op._qualname.split("::", 1)[1])
     if twin is not None and tensors and all(t.device.type == "cpu" for t in tensors):
         namespace, name = twin.split("::")
-        plain = tuple(a.detach().clone().contiguous() if isinstance(a, torch.Tensor) else a
-                      for a in args)
-        torch.library.opcheck(getattr(getattr(torch.ops, namespace), name).default, plain,
-                              test_utils=OPCHECK_UTILS)
+        plain = tuple(
+            a.detach().clone().contiguous() if isinstance(a, torch.Tensor) else a for a in args
+        )
+        torch.library.opcheck(
+            getattr(getattr(torch.ops, namespace), name).default, plain, test_utils=OPCHECK_UTILS
+        )
 
 
 LAYOUTS = ["contiguous", "permuted"]
@@ -424,8 +529,11 @@ LAYOUTS = ["contiguous", "permuted"]
 def test_opcheck_wy_solve(device, requires_grad, layout):
     A, beta, QK = make_wy_inputs(3, 16, seed=20, device=device)
     if layout == "permuted":
-        A, beta, QK = permuted_copy(A, (2, 0, 1)), permuted_copy(beta, (1, 0)), permuted_copy(
-            QK, (1, 2, 0))
+        A, beta, QK = (
+            permuted_copy(A, (2, 0, 1)),
+            permuted_copy(beta, (1, 0)),
+            permuted_copy(QK, (1, 2, 0)),
+        )
     opcheck(ops.wy_solve, tuple(t.requires_grad_(requires_grad) for t in (A, beta, QK)))
 
 
@@ -437,16 +545,21 @@ def test_opcheck_wy_solve_backward(device):
     opcheck(ops.wy_solve_backward, (A, beta, QK, X, dX, dQX))
 
 
-TOPK_CASES = [((5,), 3, torch.float32), ((6, 5), 7, torch.float32), ((3, 2, 4), 30, torch.float32),
-              ((2, 3, 2, 3), 5, torch.bfloat16)]
+TOPK_CASES = [
+    ((5,), 3, torch.float32),
+    ((6, 5), 7, torch.float32),
+    ((3, 2, 4), 30, torch.float32),
+    ((2, 3, 2, 3), 5, torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("factors,k,dtype", TOPK_CASES)
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_opcheck_product_key_topk(device, factors, k, dtype, requires_grad):
-    raw = make_raw((3, 2), factors, seed=23, device=device, dtype=dtype,
-                   requires_grad=requires_grad)
+    raw = make_raw(
+        (3, 2), factors, seed=23, device=device, dtype=dtype, requires_grad=requires_grad
+    )
     opcheck(ops.product_key_topk, (raw, list(factors), k))
 
 
@@ -470,18 +583,21 @@ SDM_ORDER = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", 
 SDM_FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 
 
-def sdm_operands(device, *, packed=False, shared=False, layout="contiguous", T=21,
-                 requires_grad=False) -> tuple[tuple, dict]:
+def sdm_operands(
+    device, *, packed=False, shared=False, layout="contiguous", T=21, requires_grad=False
+) -> tuple[tuple, dict]:
     """(positional arguments of ``sdm::sparse_delta_memory`` up to decay, {"cu_seqlens": ...}
     for a packed batch of sequences of lengths 0, 5, T and 17, else {}), in ``layout``; the
     float arguments require grad with ``requires_grad``."""
     if packed:
-        a = make_packed_sdm_inputs([0, 5, T, 17], 2, 16, 20, 3, 2, seed=26, decay=True,
-                                   shared=shared, device=device)
+        a = make_packed_sdm_inputs(
+            [0, 5, T, 17], 2, 16, 20, 3, 2, seed=26, decay=True, shared=shared, device=device
+        )
         extra = {"cu_seqlens": a.pop("cu_seqlens")}
     else:
-        a = make_sdm_inputs(2, T, 2, 16, 20, 3, 2, seed=26, decay=True, shared=shared,
-                            device=device)
+        a = make_sdm_inputs(
+            2, T, 2, 16, 20, 3, 2, seed=26, decay=True, shared=shared, device=device
+        )
         extra = {}
     if layout == "permuted":
         a = permuted_sdm_args(a)
@@ -492,12 +608,13 @@ def sdm_operands(device, *, packed=False, shared=False, layout="contiguous", T=2
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("packed,shared,snapshot", [(False, False, "none"), (False, True, "int4"),
-                                                    (True, False, "fp8")])
-def test_opcheck_sparse_delta_memory_keeping_for_backward(device, layout, packed, shared,
-                                                          snapshot):
-    args, extra = sdm_operands(device, packed=packed, shared=shared, layout=layout,
-                               requires_grad=True)
+@pytest.mark.parametrize(
+    "packed,shared,snapshot", [(False, False, "none"), (False, True, "int4"), (True, False, "fp8")]
+)
+def test_opcheck_sparse_delta_memory_keeping_for_backward(device, layout, packed, shared, snapshot):
+    args, extra = sdm_operands(
+        device, packed=packed, shared=shared, layout=layout, requires_grad=True
+    )
     opcheck(ops.sparse_delta_memory, args, dict(extra, chunk_size=16, snapshot=snapshot))
 
 
@@ -538,11 +655,13 @@ def recurrence_operands(device, T=21, C=16, packed=False) -> dict:
     """Inputs of the internal recurrence operators by name (decay, per-batch bank, chunk size
     C); with ``packed``, sequences of lengths 0, 5, T and 17 packed into one batch."""
     if not packed:
-        args = make_sdm_inputs(2, T, 2, 16, 20, 3, 2, seed=26, decay=True, shared=False,
-                               device=device)
+        args = make_sdm_inputs(
+            2, T, 2, 16, 20, 3, 2, seed=26, decay=True, shared=False, device=device
+        )
         return recurrence_values(args, C)
-    args = make_packed_sdm_inputs([0, 5, T, 17], 2, 16, 20, 3, 2, seed=26, decay=True,
-                                  device=device)
+    args = make_packed_sdm_inputs(
+        [0, 5, T, 17], 2, 16, 20, 3, 2, seed=26, decay=True, device=device
+    )
     return recurrence_values(args, C)
 
 
@@ -564,16 +683,32 @@ def backward_operands(device, snapshot="none", packed=False) -> dict:
     """Inputs of the backward operators by name: a forward's saved tensors and gradients."""
     values = recurrence_operands(device, packed=packed)
     out, bank_out, snap, snap_scale, res, delta = ops.recurrence_fwd(
-        *op_args(ops.recurrence_fwd, dict(values, snapshot=snapshot)))
+        *op_args(ops.recurrence_fwd, dict(values, snapshot=snapshot))
+    )
     g = torch.Generator().manual_seed(27)
-    grad = {n: torch.randn(values[src].shape, generator=g).to(device)
-            for n, src in (("dA", "A"), ("dQK", "QK"), ("d_gather_w", "gather_w"),
-                           ("d_gather_r", "gather_r"), ("d_scatter_w", "scatter_w"),
-                           ("d_row_decay", "row_decay"))}
-    return dict(values, **grad, snap=snap, snap_scale=snap_scale, res=res,
-                delta=delta, snapshot=snapshot, v_dtype=values["v"].dtype,
-                dout=torch.randn(out.shape, generator=g).to(device),
-                dbank_out=torch.randn(bank_out.shape, generator=g).to(device))
+    grad = {
+        n: torch.randn(values[src].shape, generator=g).to(device)
+        for n, src in (
+            ("dA", "A"),
+            ("dQK", "QK"),
+            ("d_gather_w", "gather_w"),
+            ("d_gather_r", "gather_r"),
+            ("d_scatter_w", "scatter_w"),
+            ("d_row_decay", "row_decay"),
+        )
+    }
+    return dict(
+        values,
+        **grad,
+        snap=snap,
+        snap_scale=snap_scale,
+        res=res,
+        delta=delta,
+        snapshot=snapshot,
+        v_dtype=values["v"].dtype,
+        dout=torch.randn(out.shape, generator=g).to(device),
+        dbank_out=torch.randn(bank_out.shape, generator=g).to(device),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -589,8 +724,9 @@ def test_opcheck_recurrence_bwd(device, snapshot, packed):
 def test_opcheck_chunk_prepare_backward(device, packed):
     values = backward_operands(device, packed=packed)
     opcheck(ops.chunk_prepare_backward, op_args(ops.chunk_prepare_backward, values))
-    opcheck(ops.chunk_prepare_backward, op_args(ops.chunk_prepare_backward,
-                                                dict(values, decay=None)))
+    opcheck(
+        ops.chunk_prepare_backward, op_args(ops.chunk_prepare_backward, dict(values, decay=None))
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -605,8 +741,19 @@ def test_opcheck_recurrence_fwd_inplace_decode_step(device, packed):
 def test_opcheck_decode_step(device, decay):
     """One token per stream, duplicate slots within the token (S = 5, W = 6)."""
     a = make_sdm_inputs(3, 1, 2, 32, 5, 6, 4, seed=31, decay=decay, shared=False, device=device)
-    opcheck(ops.decode_step_, (a["bank"].clone(), a["v"], a["beta"], a["write_idx"],
-                               a["write_w"], a["read_idx"], a["read_w"], a.get("decay")))
+    opcheck(
+        ops.decode_step_,
+        (
+            a["bank"].clone(),
+            a["v"],
+            a["beta"],
+            a["write_idx"],
+            a["write_w"],
+            a["read_idx"],
+            a["read_w"],
+            a.get("decay"),
+        ),
+    )
 
 
 # Operators whose direct opcheck test lives elsewhere or is still to come, and why (qualified
@@ -615,8 +762,9 @@ OPCHECK_PENDING: dict[str, str] = {}
 
 
 def test_every_operator_has_a_direct_opcheck_test():
-    registered = {f"{ns}::{name}" for ns in (ops.PUBLIC, ops.INTERNAL)
-                  for name in registered_operators(ns)}
+    registered = {
+        f"{ns}::{name}" for ns in (ops.PUBLIC, ops.INTERNAL) for name in registered_operators(ns)
+    }
     with open(__file__) as f:
         names = set(re.findall(r"\bopcheck\(ops\.(\w+),", f.read()))
     checked = {getattr(ops, name)._qualname for name in names}

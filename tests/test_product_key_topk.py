@@ -81,24 +81,30 @@ def assert_same_topk(raw, factors, k, run=kernel_topk):
     assert val.dtype == raw.dtype and lin.dtype == torch.int64
     if not torch.equal(lin, rlin):
         bad = (lin != rlin).nonzero()[0].tolist()
-        raise AssertionError(f"factors {factors} k {k}: lin differs first at {bad}: "
-                             f"got {lin[tuple(bad[:-1])].tolist()} "
-                             f"brute force {rlin[tuple(bad[:-1])].tolist()}")
+        raise AssertionError(
+            f"factors {factors} k {k}: lin differs first at {bad}: "
+            f"got {lin[tuple(bad[:-1])].tolist()} "
+            f"brute force {rlin[tuple(bad[:-1])].tolist()}"
+        )
     bits = torch.int16 if raw.dtype == torch.bfloat16 else torch.int32
     same = (val.view(bits) == rval.view(bits)) | (val.isnan() & rval.isnan())
-    assert bool(same.all()), (f"factors {factors} k {k}: val differs at "
-                              f"{(~same).nonzero()[0].tolist()}: "
-                              f"{val[~same][:4]} vs {rval[~same][:4]}")
+    assert bool(same.all()), (
+        f"factors {factors} k {k}: val differs at "
+        f"{(~same).nonzero()[0].tolist()}: "
+        f"{val[~same][:4]} vs {rval[~same][:4]}"
+    )
 
 
 # ---------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------
 
+
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("factors", [(13,), (6, 5), (3, 7), (4, 3, 5), (5, 1, 4), (2, 3, 2, 2),
-                                     (3, 2, 3, 2)], ids=str)
+@pytest.mark.parametrize(
+    "factors", [(13,), (6, 5), (3, 7), (4, 3, 5), (5, 1, 4), (2, 3, 2, 2), (3, 2, 3, 2)], ids=str
+)
 def test_forward_matches_reference_for_one_to_four_factors(factors, dtype):
     for k in (1, 3, 8, math.prod(factors), 256):
         assert_same_topk(make_raw((5,), factors, dtype, seed=k), factors, k)
@@ -106,8 +112,11 @@ def test_forward_matches_reference_for_one_to_four_factors(factors, dtype):
 
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("factors,k", [((7,), 4), ((6, 6), 5), ((6, 6), 36), ((4, 4, 3), 9),
-                                       ((3, 3, 2, 3), 17), ((1, 1, 5, 1), 2)], ids=str)
+@pytest.mark.parametrize(
+    "factors,k",
+    [((7,), 4), ((6, 6), 5), ((6, 6), 36), ((4, 4, 3), 9), ((3, 3, 2, 3), 17), ((1, 1, 5, 1), 2)],
+    ids=str,
+)
 def test_forward_tie_rule_on_heavy_ties(factors, k, dtype):
     """Scores from integers 0..2: nearly every selection boundary falls inside a tie."""
     assert_same_topk(make_raw((19,), factors, dtype, "ties", seed=k), factors, k)
@@ -115,26 +124,29 @@ def test_forward_tie_rule_on_heavy_ties(factors, k, dtype):
 
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("factors,k", [((9,), 5), ((5, 6), 7), ((3, 4, 3), 12), ((2, 3, 2, 2), 24)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "factors,k", [((9,), 5), ((5, 6), 7), ((3, 4, 3), 12), ((2, 3, 2, 2), 24)], ids=str
+)
 def test_forward_nan_inf_and_negative_zero(factors, k, dtype):
     """NaN counts as -inf, -0 equals +0; NaN and -0 values come back exactly."""
     assert_same_topk(make_raw((23,), factors, dtype, "special", seed=k), factors, k)
 
 
-PATHS = [pytest.param(kernel_topk, id="kernels", marks=requires_kernels),
-         pytest.param(cpu_topk, id="cpu")]
+PATHS = [
+    pytest.param(kernel_topk, id="kernels", marks=requires_kernels),
+    pytest.param(cpu_topk, id="cpu"),
+]
 
 
 @pytest.mark.parametrize("run", PATHS)
 def test_forward_tie_rule_by_hand(run):
     """Equal scores go to the better prefix rank, then the better column rank, not the smaller
     slot; NaN ties with -inf and loses to the smaller column."""
-    raw = torch.tensor([[0.0, 1.0, 0.0, 0.0]])                  # factors (2, 2)
+    raw = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # factors (2, 2)
     val, lin = run(raw, (2, 2), 3)
     # Ranks: (c0=1, c1=0), (1, 1), (0, 0): slots 2, 3, 0.
     assert lin.tolist() == [[0, 2, 3]] and val.tolist() == [[0.0, 1.0, 1.0]]
-    raw = torch.tensor([[5.0, 5.0, 2.0, 3.0, 3.0]])             # factors (2, 3)
+    raw = torch.tensor([[5.0, 5.0, 2.0, 3.0, 3.0]])  # factors (2, 3)
     _, lin = run(raw, (2, 3), 3)
     # Score 8 for (0, 1), (0, 2), (1, 1), (1, 2): prefix rank 0 first, then column rank.
     assert lin.tolist() == [[1, 2, 4]]
@@ -173,14 +185,15 @@ def test_forward_rows_not_a_multiple_of_the_block():
 
 
 @requires_kernels
-@pytest.mark.parametrize("dtype,factors", [(torch.float32, (256, 256)),
-                                           (torch.bfloat16, (512, 3))], ids=str)
+@pytest.mark.parametrize(
+    "dtype,factors", [(torch.float32, (256, 256)), (torch.bfloat16, (512, 3))], ids=str
+)
 def test_forward_factors_wider_than_a_warps_loads(dtype, factors):
     """A factor chunk wider than one warp's loads (512 bytes) runs on one warp with at most
     2048 bytes of rows a program; rows not a multiple of those, so the last program is partly
     masked, with random and tied scores, within and past the rounds' cut-off."""
     meta = kern._fwd_config(list(factors), 8, dtype.itemsize)
-    narrow = kern._fwd_config(list(factors), 8, 1)   # itemsize 1: no row is that wide
+    narrow = kern._fwd_config(list(factors), 8, 1)  # itemsize 1: no row is that wide
     chunk = min(max(factors), kern._FWD_CHUNK)
     assert meta["num_warps"] == 1
     assert 1 < meta["ROWS"] < narrow["ROWS"] and meta["ROWS"] * chunk * dtype.itemsize <= 2048
@@ -206,8 +219,11 @@ def test_forward_wide_merge_stage_takes_fewer_rows_a_program(dtype):
 
 
 @requires_kernels
-@pytest.mark.parametrize("factors,k", [((4096,), 16), ((600, 3), 40), ((64, 64), 256),
-                                       ((16, 16, 16), 48), ((2, 4096), 3)], ids=str)
+@pytest.mark.parametrize(
+    "factors,k",
+    [((4096,), 16), ((600, 3), 40), ((64, 64), 256), ((16, 16, 16), 48), ((2, 4096), 3)],
+    ids=str,
+)
 def test_forward_wide_factors_and_large_k(factors, k):
     """Factors wider than a chunk (merged chunk by chunk) and stages of several candidate
     chunks (k = 256)."""
@@ -228,9 +244,18 @@ def test_forward_chunked_factor_merges_short_lists(dtype, k):
 
 @requires_cuda
 @pytest.mark.slow
-@pytest.mark.parametrize("factors,k", [((4096,), 256), ((4096, 4096), 256), ((4096, 3), 256),
-                                       ((16, 16, 16, 16), 256), ((4096, 2, 4096, 1), 100),
-                                       ((1, 1, 1, 1), 1)], ids=str)
+@pytest.mark.parametrize(
+    "factors,k",
+    [
+        ((4096,), 256),
+        ((4096, 4096), 256),
+        ((4096, 3), 256),
+        ((16, 16, 16, 16), 256),
+        ((4096, 2, 4096, 1), 100),
+        ((1, 1, 1, 1), 1),
+    ],
+    ids=str,
+)
 def test_cuda_widest_factors_and_largest_k(factors, k):
     for kind in ("randn", "special"):
         assert_same_topk(make_raw((3,), factors, torch.float32, kind, seed=k), factors, k)
@@ -240,11 +265,27 @@ def test_cuda_widest_factors_and_largest_k(factors, k):
 # The CPU path: factor by factor, equal to the brute force
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["randn", "ties", "special"])
-@pytest.mark.parametrize("factors", [(13,), (1,), (6, 5), (1, 7), (7, 1), (4, 3, 5), (5, 1, 4),
-                                     (1, 1, 1), (2, 3, 2, 2), (3, 1, 3, 2), (1, 1, 1, 1),
-                                     (9, 2, 1, 3)], ids=str)
+@pytest.mark.parametrize(
+    "factors",
+    [
+        (13,),
+        (1,),
+        (6, 5),
+        (1, 7),
+        (7, 1),
+        (4, 3, 5),
+        (5, 1, 4),
+        (1, 1, 1),
+        (2, 3, 2, 2),
+        (3, 1, 3, 2),
+        (1, 1, 1, 1),
+        (9, 2, 1, 3),
+    ],
+    ids=str,
+)
 def test_cpu_path_equals_bruteforce(factors, kind, dtype):
     """Random scores, scores from integers 0..2 (the selection boundary inside ties) and
     scores with NaN, +-inf and -0; k below, between and above the factors' widths, and
@@ -254,12 +295,22 @@ def test_cpu_path_equals_bruteforce(factors, kind, dtype):
         assert_same_topk(make_raw((11,), factors, dtype, kind, seed=k), factors, k, run=cpu_topk)
 
 
-@pytest.mark.parametrize("factors,k", [((4096, 16), 256), ((16, 4096), 100), ((64, 64, 16), 256),
-                                       ((2, 4096, 2, 4), 77), ((256, 256), 256)], ids=str)
+@pytest.mark.parametrize(
+    "factors,k",
+    [
+        ((4096, 16), 256),
+        ((16, 4096), 100),
+        ((64, 64, 16), 256),
+        ((2, 4096, 2, 4), 77),
+        ((256, 256), 256),
+    ],
+    ids=str,
+)
 def test_cpu_path_wide_factors_and_large_k(factors, k):
     for kind in ("randn", "ties", "special"):
-        assert_same_topk(make_raw((2,), factors, torch.float32, kind, seed=k), factors, k,
-                         run=cpu_topk)
+        assert_same_topk(
+            make_raw((2,), factors, torch.float32, kind, seed=k), factors, k, run=cpu_topk
+        )
 
 
 @pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 3), (2, 3)], ids=str)
@@ -271,8 +322,11 @@ def test_cpu_path_leading_dims_and_zero_rows(shape):
         assert_same_topk(raw, (4, 5), 6, run=cpu_topk)
 
 
-@pytest.mark.parametrize("dtype,kind", [(torch.float32, "randn"), (torch.float32, "ties"),
-                                        (torch.bfloat16, "randn")], ids=str)
+@pytest.mark.parametrize(
+    "dtype,kind",
+    [(torch.float32, "randn"), (torch.float32, "ties"), (torch.bfloat16, "randn")],
+    ids=str,
+)
 def test_cpu_path_runs_the_readme_quick_start_shape(dtype, kind):
     """The README's call, raw [2, 256, 4, 512] over (256, 256) with k = 8, on CPU: a few rows
     against the brute force computed on those rows alone (65536 sums a row)."""
@@ -306,12 +360,14 @@ def test_cpu_path_product_space_far_beyond_memory():
 
 
 @settings(max_examples=60, deadline=None)
-@given(factors=st.lists(st.integers(1, 9), min_size=1, max_size=4),
-       k=st.integers(1, 256),
-       rows=st.integers(0, 4),
-       dtype=st.sampled_from(DTYPES),
-       kind=st.sampled_from(["randn", "ties", "special"]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    factors=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    k=st.integers(1, 256),
+    rows=st.integers(0, 4),
+    dtype=st.sampled_from(DTYPES),
+    kind=st.sampled_from(["randn", "ties", "special"]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_property_cpu_path_equals_bruteforce(factors, k, rows, dtype, kind, seed):
     assert_same_topk(make_raw((rows,), factors, dtype, kind, seed), factors, k, run=cpu_topk)
 
@@ -319,6 +375,7 @@ def test_property_cpu_path_equals_bruteforce(factors, k, rows, dtype, kind, seed
 # ---------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------
+
 
 def kernel_grad(raw, factors, k, grad_val):
     with on_kernels():
@@ -330,8 +387,11 @@ def kernel_grad(raw, factors, k, grad_val):
 
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("factors,k", [((11,), 4), ((3, 7), 21), ((6, 6), 9), ((5, 1, 4), 7),
-                                       ((2, 3, 2, 2), 24), ((300, 2), 40)], ids=str)
+@pytest.mark.parametrize(
+    "factors,k",
+    [((11,), 4), ((3, 7), 21), ((6, 6), 9), ((5, 1, 4), 7), ((2, 3, 2, 2), 24), ((300, 2), 40)],
+    ids=str,
+)
 def test_backward_matches_reference(factors, k, dtype):
     """Same float32 sums in the same (slot) order as the reference, rounded once."""
     raw = make_raw((2, 5), factors, dtype, "ties", seed=k)
@@ -343,8 +403,9 @@ def test_backward_matches_reference(factors, k, dtype):
     if dtype == torch.float32:
         assert torch.equal(grad, expected), f"max diff {(grad - expected).abs().max()}"
     else:
-        assert torch.equal(grad, expected.to(dtype)), \
+        assert torch.equal(grad, expected.to(dtype)), (
             f"max diff {(grad.float() - expected.to(dtype).float()).abs().max()}"
+        )
     assert_close(grad, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, name="grad")
 
 
@@ -368,7 +429,7 @@ GUARD = 37
 def guarded_grad(n, width, dtype):
     """A NaN buffer and grad [n, width], a view of it with GUARD NaN elements either side."""
     buf = torch.full((n * width + 2 * GUARD,), math.nan, dtype=dtype, device=KERNEL_DEVICE)
-    return buf, buf[GUARD:GUARD + n * width].view(n, width)
+    return buf, buf[GUARD : GUARD + n * width].view(n, width)
 
 
 def assert_guards_intact(buf):
@@ -377,8 +438,18 @@ def assert_guards_intact(buf):
 
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("factors,kk", [((256, 256), 8), ((256, 256), 32), ((300, 2), 40),
-                                        ((1024, 4), 16), ((6, 6), 9), ((4096, 3), 5)], ids=str)
+@pytest.mark.parametrize(
+    "factors,kk",
+    [
+        ((256, 256), 8),
+        ((256, 256), 32),
+        ((300, 2), 40),
+        ((1024, 4), 16),
+        ((6, 6), 9),
+        ((4096, 3), 5),
+    ],
+    ids=str,
+)
 def test_backward_over_several_programs(factors, kk, dtype):
     """2 ROWS + 3 rows: at least two whole programs and, where ROWS > 1, a partial last one,
     in the form each factor takes (scatter where it is wider than kk's power of two, dense
@@ -394,11 +465,11 @@ def test_backward_over_several_programs(factors, kk, dtype):
     grad_val = torch.randn(n, kk, generator=g).to(dtype)
     buf, grad = guarded_grad(n, sum(factors), dtype)
     with on_kernels():
-        kern.product_key_topk_bwd(lin.to(KERNEL_DEVICE), grad_val.to(KERNEL_DEVICE), factors,
-                                  grad)
+        kern.product_key_topk_bwd(lin.to(KERNEL_DEVICE), grad_val.to(KERNEL_DEVICE), factors, grad)
     expected = product_key_topk_backward_reference(lin, grad_val, tuple(factors)).to(dtype)
-    assert torch.equal(grad.cpu(), expected), \
+    assert torch.equal(grad.cpu(), expected), (
         f"max diff {(grad.cpu().float() - expected.float()).abs().max()}"
+    )
     assert_guards_intact(buf)
 
 
@@ -415,16 +486,17 @@ def test_backward_any_slots_stay_inside_grad(factors, kk):
     grad_val = torch.randn(n, kk, generator=g)
     buf, grad = guarded_grad(n, width, torch.float32)
     with on_kernels():
-        kern.product_key_topk_bwd(lin.to(KERNEL_DEVICE), grad_val.to(KERNEL_DEVICE), factors,
-                                  grad)
+        kern.product_key_topk_bwd(lin.to(KERNEL_DEVICE), grad_val.to(KERNEL_DEVICE), factors, grad)
     expected = torch.zeros(n, width)
     offset = 0
     for f, width_f in enumerate(factors):
-        col = torch.fmod(torch.div(lin, math.prod(factors[f + 1:]), rounding_mode="trunc"),
-                         width_f)
+        col = torch.fmod(
+            torch.div(lin, math.prod(factors[f + 1 :]), rounding_mode="trunc"), width_f
+        )
         keep = col >= 0
-        expected[:, offset:offset + width_f].scatter_add_(
-            1, torch.where(keep, col, 0), torch.where(keep, grad_val, 0.0))
+        expected[:, offset : offset + width_f].scatter_add_(
+            1, torch.where(keep, col, 0), torch.where(keep, grad_val, 0.0)
+        )
         offset += width_f
     assert torch.equal(grad.cpu(), expected), f"max diff {(grad.cpu() - expected).abs().max()}"
     assert_guards_intact(buf)
@@ -444,20 +516,25 @@ def test_backward_deterministic_on_cuda():
 # Argument checks
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("factors,k,dtype,width,error,name", [
-    ((), 4, torch.float32, 0, ValueError, "factors"),
-    ((2, 2, 2, 2, 2), 4, torch.float32, 10, ValueError, "factors"),
-    ((0, 3), 4, torch.float32, 3, ValueError, "factors"),
-    ((4097,), 4, torch.float32, 4097, ValueError, "factors"),
-    (5, 4, torch.float32, 5, TypeError, "factors"),
-    ((2.0, 3), 4, torch.float32, 5, TypeError, "factors"),
-    ((2, 3), 0, torch.float32, 5, ValueError, "k"),
-    ((2, 3), 257, torch.float32, 5, ValueError, "k"),
-    ((2, 3), 4.0, torch.float32, 5, TypeError, "k"),
-    ((2, 3), 4, torch.float16, 5, TypeError, "raw"),
-    ((2, 3), 4, torch.float64, 5, TypeError, "raw"),
-    ((2, 3), 4, torch.float32, 6, ValueError, "raw"),
-], ids=lambda v: str(v) if not isinstance(v, type) else v.__name__)
+
+@pytest.mark.parametrize(
+    "factors,k,dtype,width,error,name",
+    [
+        ((), 4, torch.float32, 0, ValueError, "factors"),
+        ((2, 2, 2, 2, 2), 4, torch.float32, 10, ValueError, "factors"),
+        ((0, 3), 4, torch.float32, 3, ValueError, "factors"),
+        ((4097,), 4, torch.float32, 4097, ValueError, "factors"),
+        (5, 4, torch.float32, 5, TypeError, "factors"),
+        ((2.0, 3), 4, torch.float32, 5, TypeError, "factors"),
+        ((2, 3), 0, torch.float32, 5, ValueError, "k"),
+        ((2, 3), 257, torch.float32, 5, ValueError, "k"),
+        ((2, 3), 4.0, torch.float32, 5, TypeError, "k"),
+        ((2, 3), 4, torch.float16, 5, TypeError, "raw"),
+        ((2, 3), 4, torch.float64, 5, TypeError, "raw"),
+        ((2, 3), 4, torch.float32, 6, ValueError, "raw"),
+    ],
+    ids=lambda v: str(v) if not isinstance(v, type) else v.__name__,
+)
 def test_bad_arguments_raise_naming_the_argument(factors, k, dtype, width, error, name):
     raw = torch.zeros(3, width, dtype=dtype)
     with pytest.raises(error, match=rf"\b{name}\b"):
@@ -473,14 +550,17 @@ def test_bad_raw_scalar_raises():
 # Property
 # ---------------------------------------------------------------------------
 
+
 @requires_kernels
 @settings(max_examples=25, deadline=None)
-@given(factors=st.lists(st.integers(1, 12), min_size=1, max_size=3),
-       k=st.integers(1, 48),
-       rows=st.integers(0, 4),
-       dtype=st.sampled_from(DTYPES),
-       kind=st.sampled_from(["randn", "ties", "special"]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    factors=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    k=st.integers(1, 48),
+    rows=st.integers(0, 4),
+    dtype=st.sampled_from(DTYPES),
+    kind=st.sampled_from(["randn", "ties", "special"]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_property_kernel_equals_reference(factors, k, rows, dtype, kind, seed):
     assert_same_topk(make_raw((rows,), factors, dtype, kind, seed), factors, k)
 
@@ -489,6 +569,7 @@ def test_property_kernel_equals_reference(factors, k, rows, dtype, kind, seed):
 # Large shapes (CUDA)
 # ---------------------------------------------------------------------------
 
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("k", [8, 32, 256])
@@ -496,13 +577,13 @@ def test_cuda_large_matches_reference(k, dtype):
     factors = (256, 256)
     raw = make_raw((4096,), factors, dtype, seed=k)
     val, lin = kernel_topk(raw, factors, k)
-    for r0 in range(0, raw.shape[0], 512):      # the reference materializes 65536 sums a row
-        rval, rlin = reference_topk(raw[r0:r0 + 512], factors, k)
-        assert torch.equal(lin[r0:r0 + 512], rlin), f"rows {r0}.."
-        assert torch.equal(val[r0:r0 + 512], rval), f"rows {r0}.."
+    for r0 in range(0, raw.shape[0], 512):  # the reference materializes 65536 sums a row
+        rval, rlin = reference_topk(raw[r0 : r0 + 512], factors, k)
+        assert torch.equal(lin[r0 : r0 + 512], rlin), f"rows {r0}.."
+        assert torch.equal(val[r0 : r0 + 512], rval), f"rows {r0}.."
     ties = make_raw((4096,), factors, dtype, "special", seed=k)
     for r0 in range(0, 4096, 1024):
-        assert_same_topk(ties[r0:r0 + 1024], factors, k)
+        assert_same_topk(ties[r0 : r0 + 1024], factors, k)
 
 
 def recomputed_scores(raw, lin, factors):

@@ -10,20 +10,31 @@ from sdm_ops import reference as ref
 from tests.helpers import assert_close, make_sdm_inputs, to_float64
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
-SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @st.composite
 def sdm_cases(draw):
-    return dict(
-        B=draw(st.integers(1, 2)), T=draw(st.integers(0, 45)), H=draw(st.integers(1, 2)),
-        D=draw(st.sampled_from([16, 32])), S=draw(st.integers(1, 24)),
-        W=draw(st.integers(0, 5)), R=draw(st.integers(0, 5)), decay=draw(st.booleans()),
-        shared=draw(st.booleans()),
-        index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
-        padding=draw(st.sampled_from([0.0, 0.3, 1.0])), seed=draw(st.integers(0, 2 ** 16)),
-    ), draw(st.sampled_from([16, 32, 64, 128])), draw(st.sampled_from(["none", "bf16", "int4"]))
+    return (
+        dict(
+            B=draw(st.integers(1, 2)),
+            T=draw(st.integers(0, 45)),
+            H=draw(st.integers(1, 2)),
+            D=draw(st.sampled_from([16, 32])),
+            S=draw(st.integers(1, 24)),
+            W=draw(st.integers(0, 5)),
+            R=draw(st.integers(0, 5)),
+            decay=draw(st.booleans()),
+            shared=draw(st.booleans()),
+            index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+            padding=draw(st.sampled_from([0.0, 0.3, 1.0])),
+            seed=draw(st.integers(0, 2**16)),
+        ),
+        draw(st.sampled_from([16, 32, 64, 128])),
+        draw(st.sampled_from(["none", "bf16", "int4"])),
+    )
 
 
 @SETTINGS
@@ -46,18 +57,23 @@ def test_in_place_update_equals_the_functional_result(case):
     a = make_sdm_inputs(**kwargs)
     out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size)
     state = a["bank"].clone()
-    out2 = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"},
-                                        chunk_size=chunk_size)
+    out2 = sdm_ops.sparse_delta_memory_(
+        bank=state, **{k: v for k, v in a.items() if k != "bank"}, chunk_size=chunk_size
+    )
     assert_close(out2, out, rtol=1e-5, name="out")
     assert_close(state, bank, rtol=1e-5, name="bank")
 
 
 @SETTINGS
-@given(st.lists(st.integers(1, 7), min_size=1, max_size=3), st.integers(1, 40),
-       st.integers(0, 3), st.integers(0, 2 ** 16))
+@given(
+    st.lists(st.integers(1, 7), min_size=1, max_size=3),
+    st.integers(1, 40),
+    st.integers(0, 3),
+    st.integers(0, 2**16),
+)
 def test_product_key_topk_is_an_exact_top_k(factors, k, rows, seed):
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(-3, 4, (rows, sum(factors)), generator=g).float()   # many ties
+    raw = torch.randint(-3, 4, (rows, sum(factors)), generator=g).float()  # many ties
     val, lin = sdm_ops.product_key_topk(raw, factors, k)
     kk = min(k, torch.tensor(factors).prod().item())
     assert lin.shape == (rows, kk)

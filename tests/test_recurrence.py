@@ -25,9 +25,11 @@ ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "dec
 
 def _oracle(a, chunk_size=16):
     a = to_float64(a)
-    return ref.sdm_token_reference(*(a.get(k) for k in ORDER)) if a["v"].shape[1] <= 40 and \
-        a["bank"].shape[-2] <= 64 else ref.sdm_chunked_reference(*(a.get(k) for k in ORDER),
-                                                                 chunk_size=chunk_size)
+    return (
+        ref.sdm_token_reference(*(a.get(k) for k in ORDER))
+        if a["v"].shape[1] <= 40 and a["bank"].shape[-2] <= 64
+        else ref.sdm_chunked_reference(*(a.get(k) for k in ORDER), chunk_size=chunk_size)
+    )
 
 
 def _run(a, **kw):
@@ -42,7 +44,8 @@ def _inputs(**kw):
 @pytest.mark.parametrize("chunk_size", [16, 32])
 @pytest.mark.parametrize("decay", [True, False])
 def test_kernels_match_float64_reference_with_padding_duplicates_and_partial_chunks(
-        chunk_size, decay, phase2_tiles):
+    chunk_size, decay, phase2_tiles
+):
     """Both forward paths: without autograd (phase 2 in place on a copy of the bank, no
     snapshot) and with it (the functional operator, which keeps a snapshot)."""
     a = _inputs(T=37, decay=decay, seed=chunk_size + decay)
@@ -136,8 +139,7 @@ def test_in_place_update_equals_functional_result():
 
 
 @pytest.mark.parametrize("chunk_size,D,W", [(64, 128, 3), (32, 256, 3), (128, 64, 2)])
-def test_in_place_forward_forms_out_in_column_steps_for_wide_rows_and_long_chunks(chunk_size, D,
-                                                                                  W):
+def test_in_place_forward_forms_out_in_column_steps_for_wide_rows_and_long_chunks(chunk_size, D, W):
     """The forwards without a snapshot form out after phase 2's walk, one chunk's columns in
     several steps when D or the chunk is large (``recurrence_fwd``'s out kernel); these shapes
     take those steps on the one-tile path (few entries a token), with a partial last chunk."""
@@ -145,8 +147,9 @@ def test_in_place_forward_forms_out_in_column_steps_for_wide_rows_and_long_chunk
     out_r, bank_r = _oracle(a)
     state = a["bank"].clone()
     with on_kernels():
-        out = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"},
-                                           chunk_size=chunk_size)
+        out = sdm_ops.sparse_delta_memory_(
+            bank=state, **{k: v for k, v in a.items() if k != "bank"}, chunk_size=chunk_size
+        )
     assert_close(out, out_r, rtol=1e-5, name="out")
     assert_close(state, bank_r, rtol=1e-5, name="bank")
 
@@ -158,20 +161,26 @@ def test_forwards_without_a_snapshot_form_out_in_the_walk_or_after_it(sms, monke
     and inference forwards give the oracle's result both ways, with a partial last chunk and
     duplicate slots."""
     from sdm_ops.kernels import recurrence_fwd as kf
+
     monkeypatch.setattr(kf, "_WALK_SMS", sms)
     device = torch.device(KERNEL_DEVICE)
     assert kf.walk_forms_out(4, 32, torch.float32, device) == (sms > 0)
-    assert not kf.walk_forms_out(4, 32, torch.bfloat16, device)     # a bfloat16 bank: after
+    assert not kf.walk_forms_out(4, 32, torch.bfloat16, device)  # a bfloat16 bank: after
     a = _inputs(B=2, T=45, H=2, D=32, W=4, R=3, S=12, seed=37 + sms)
     out_r, bank_r = _oracle(a)
     state = a["bank"].clone()
     with on_kernels():
-        out = sdm_ops.sparse_delta_memory_(bank=state, **{k: v for k, v in a.items() if k != "bank"},
-                                           chunk_size=16)
+        out = sdm_ops.sparse_delta_memory_(
+            bank=state, **{k: v for k, v in a.items() if k != "bank"}, chunk_size=16
+        )
         with torch.no_grad():
             out_f, bank_f = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
-    for name, got, want in (("out", out, out_r), ("bank", state, bank_r),
-                            ("inference out", out_f, out_r), ("inference bank", bank_f, bank_r)):
+    for name, got, want in (
+        ("out", out, out_r),
+        ("bank", state, bank_r),
+        ("inference out", out_f, out_r),
+        ("inference bank", bank_f, bank_r),
+    ):
         assert_close(got, want, rtol=1e-5, name=name)
 
 
@@ -182,7 +191,7 @@ def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
     outs = []
     with on_kernels():
         for t in range(6):
-            step = {k: v[:, t:t + 1] for k, v in a.items() if k != "bank"}
+            step = {k: v[:, t : t + 1] for k, v in a.items() if k != "bank"}
             outs.append(sdm_ops.sparse_delta_memory_(bank=state, **step))
     assert_close(torch.cat(outs, 1), out, rtol=1e-5, name="out")
     assert_close(state, bank, rtol=1e-5, name="bank")
@@ -193,24 +202,39 @@ def test_snapshot_holds_each_entrys_chunk_start_row_within_its_mode_error(mode):
     a = _inputs(T=20, D=32, seed=16)
     S, C = a["bank"].shape[-2], 16
     with on_kernels(), torch.no_grad():
-        prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
-                                 a["decay"], S, C)
+        prep = ops.chunk_prepare(
+            a["write_idx"], a["write_w"], a["read_idx"], a["read_w"], a["decay"], S, C
+        )
         betas = ops._chunk_betas(a["beta"], C)
         X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
-        res = ops.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"], *prep[2:8],
-                                 X.view(prep[0].shape), QX.view(prep[0].shape), a["bank"], mode)
+        res = ops.recurrence_fwd(
+            a["v"],
+            a["beta"],
+            a["write_idx"],
+            a["read_idx"],
+            *prep[2:8],
+            X.view(prep[0].shape),
+            QX.view(prep[0].shape),
+            a["bank"],
+            mode,
+        )
     snap, scale = res[2], res[3]
     # The exact chunk-start rows (write entries, then read entries), from the reference's phase 2
     # run on the same phase-1 output.
     p64 = ref.Prepared(*(x.cpu().double() if x.is_floating_point() else x.cpu() for x in prep))
-    rows = ref.recurrence_fwd_reference(a["v"].cpu().double(), a["beta"].cpu().double(),
-                                        a["write_idx"].cpu(), a["read_idx"].cpu(), p64,
-                                        X.view(prep[0].shape).cpu().double(),
-                                        QX.view(prep[0].shape).cpu().double(),
-                                        a["bank"].cpu().double())[2]
+    rows = ref.recurrence_fwd_reference(
+        a["v"].cpu().double(),
+        a["beta"].cpu().double(),
+        a["write_idx"].cpu(),
+        a["read_idx"].cpu(),
+        p64,
+        X.view(prep[0].shape).cpu().double(),
+        QX.view(prep[0].shape).cpu().double(),
+        a["bank"].cpu().double(),
+    )[2]
     back = ref.dequantize_rows(snap.cpu(), scale.cpu(), mode).double()
     # bf16: one unit of the last place (the interpreter truncates, CUDA rounds to nearest).
-    bound = {"none": 1e-6, "bf16": 2.0 ** -7, "fp8": 2.0 ** -4 + 1e-3, "int4": 1 / 14 + 1e-3}[mode]
+    bound = {"none": 1e-6, "bf16": 2.0**-7, "fp8": 2.0**-4 + 1e-3, "int4": 1 / 14 + 1e-3}[mode]
     amax = rows.abs().amax(-1, keepdim=True)
     err = ((back - rows).abs() / amax.clamp(min=1e-30)).max().item()
     assert err <= bound, f"snapshot {mode}: max error {err:.3e} of the row's amax > {bound:.3e}"
@@ -232,19 +256,28 @@ def test_kernels_mask_out_of_range_indices_as_padding():
     a = _inputs(T=19, seed=17)
     S, C = a["bank"].shape[-2], 16
     clean = {k: v.clone() for k, v in a.items()}
-    for name, bad in (("write_idx", S), ("write_idx", -7), ("read_idx", 10 ** 6)):
+    for name, bad in (("write_idx", S), ("write_idx", -7), ("read_idx", 10**6)):
         a[name][0, 3, 1, 0] = bad
         clean[name][0, 3, 1, 0] = -1
 
     def run_ops(x):
         with on_kernels(), torch.no_grad():
-            prep = ops.chunk_prepare(x["write_idx"], x["write_w"], x["read_idx"], x["read_w"],
-                                     x["decay"], S, C)
+            prep = ops.chunk_prepare(
+                x["write_idx"], x["write_w"], x["read_idx"], x["read_w"], x["decay"], S, C
+            )
             betas = ops._chunk_betas(x["beta"], C)
             X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
-            return ops.recurrence_fwd(x["v"], x["beta"], x["write_idx"], x["read_idx"], *prep[2:8],
-                                      X.view(prep[0].shape), QX.view(prep[0].shape), x["bank"],
-                                      "none")[:2]
+            return ops.recurrence_fwd(
+                x["v"],
+                x["beta"],
+                x["write_idx"],
+                x["read_idx"],
+                *prep[2:8],
+                X.view(prep[0].shape),
+                QX.view(prep[0].shape),
+                x["bank"],
+                "none",
+            )[:2]
 
     bank = a["bank"].clone()
     out, new_bank = run_ops(a)
@@ -263,11 +296,12 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
     a = _inputs(T=37, S=20, seed=21, shared=shared)
     S, C = a["bank"].shape[-2], 16
     with on_kernels(), torch.no_grad():
-        prep = ops.chunk_prepare(a["write_idx"], a["write_w"], a["read_idx"], a["read_w"],
-                                 a["decay"], S, C)
-        X, QX = ops.wy_solve(prep[0].view(-1, C, C),
-                             ops._chunk_betas(a["beta"], C),
-                             prep[1].view(-1, C, C))
+        prep = ops.chunk_prepare(
+            a["write_idx"], a["write_w"], a["read_idx"], a["read_w"], a["decay"], S, C
+        )
+        X, QX = ops.wy_solve(
+            prep[0].view(-1, C, C), ops._chunk_betas(a["beta"], C), prep[1].view(-1, C, C)
+        )
         first = torch.zeros(4, S, dtype=torch.int32, device=KERNEL_DEVICE)
         bank_copy.first_writes(a["write_idx"], C, None, None, first)
         written = (first != bank_copy.UNWRITTEN).view(2, 2, S, 1)
@@ -275,16 +309,35 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
         other = torch.randn(2, 2, S, 16, generator=torch.Generator().manual_seed(3))
         bank = torch.where(written.cpu(), float("nan"), other).to(KERNEL_DEVICE)
         out = torch.empty_like(a["v"])
-        recurrence_fwd.recurrence_fwd(a["v"], a["beta"], a["write_idx"], a["read_idx"],
-                                      *prep[2:7], X.view(prep[0].shape), QX.view(prep[0].shape),
-                                      bank, out, None, None, None, None, None, source=a["bank"],
-                                      first=first)
+        recurrence_fwd.recurrence_fwd(
+            a["v"],
+            a["beta"],
+            a["write_idx"],
+            a["read_idx"],
+            *prep[2:7],
+            X.view(prep[0].shape),
+            QX.view(prep[0].shape),
+            bank,
+            out,
+            None,
+            None,
+            None,
+            None,
+            None,
+            source=a["bank"],
+            first=first,
+        )
     out_r, bank_r = _oracle(a)
     assert_close(out, out_r, rtol=1e-5, name="out")
-    assert_close(torch.where(written, bank, 0.0), torch.where(written.cpu(), bank_r, 0.0),
-                 rtol=1e-5, name="written rows")
-    assert torch.equal(torch.where(written, 0.0, bank).cpu(),
-                       torch.where(written.cpu(), 0.0, other))
+    assert_close(
+        torch.where(written, bank, 0.0),
+        torch.where(written.cpu(), bank_r, 0.0),
+        rtol=1e-5,
+        name="written rows",
+    )
+    assert torch.equal(
+        torch.where(written, 0.0, bank).cpu(), torch.where(written.cpu(), 0.0, other)
+    )
 
 
 @requires_cuda
@@ -309,7 +362,7 @@ def test_forward_is_bitwise_deterministic_on_cuda(chunk_size):
 def test_bank_of_more_than_2_pow_31_elements_on_cuda():
     """64-bit bank offsets: a [1, 2, 2^20 + 7, 1024 ...] bank is too large for a test; use
     B * H * S * D = 2 * 4 * 2^20 * 256 = 2^31 elements plus one stream's worth."""
-    B, H, S, D, T = 1, 9, 2 ** 20, 256, 20
+    B, H, S, D, T = 1, 9, 2**20, 256, 20
     g = torch.Generator(device="cuda").manual_seed(20)
     bank = torch.randn(B, H, S, D, device="cuda", generator=g)
     a = make_sdm_inputs(B=B, T=T, H=H, D=D, S=S, W=4, R=4, device="cuda", seed=20)
@@ -319,7 +372,7 @@ def test_bank_of_more_than_2_pow_31_elements_on_cuda():
     a["read_idx"][:, :, -1] = S - 1 - a["read_idx"][:, :, -1].clamp(min=0) % 8
     out, new_bank = _run(a)
     slots = torch.arange(S - 8, S, device="cuda")
-    small = dict(a, bank=bank[:, -1:, S - 8:].clone())
+    small = dict(a, bank=bank[:, -1:, S - 8 :].clone())
     for k in ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay"):
         small[k] = a[k][:, :, -1:].clone()
     small["write_idx"] = small["write_idx"] - (S - 8)

@@ -8,14 +8,30 @@ from tests.helpers import assert_close, make_sdm_inputs, to_float64
 
 
 def _token(a):
-    return ref.sdm_token_reference(a["v"], a["beta"], a["write_idx"], a["write_w"], a["read_idx"],
-                                   a["read_w"], a["bank"], a.get("decay"))
+    return ref.sdm_token_reference(
+        a["v"],
+        a["beta"],
+        a["write_idx"],
+        a["write_w"],
+        a["read_idx"],
+        a["read_w"],
+        a["bank"],
+        a.get("decay"),
+    )
 
 
 def _chunked(a, c):
-    return ref.sdm_chunked_reference(a["v"], a["beta"], a["write_idx"], a["write_w"],
-                                     a["read_idx"], a["read_w"], a["bank"], a.get("decay"),
-                                     chunk_size=c)
+    return ref.sdm_chunked_reference(
+        a["v"],
+        a["beta"],
+        a["write_idx"],
+        a["write_w"],
+        a["read_idx"],
+        a["read_w"],
+        a["bank"],
+        a.get("decay"),
+        chunk_size=c,
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 16, 64])
@@ -78,8 +94,9 @@ def test_full_addressing_is_the_dense_delta_rule(gate):
         decay = torch.ones(B, T, H, S, dtype=torch.float64)
     idx = torch.arange(S).expand(B, T, H, S)
     out_d, state_d = _dense_kda(q, k, v, beta, decay.log(), S0)
-    out, bank = ref.sdm_chunked_reference(v, beta, idx, k, idx, q, S0,
-                                          None if gate == "deltanet" else decay, chunk_size=8)
+    out, bank = ref.sdm_chunked_reference(
+        v, beta, idx, k, idx, q, S0, None if gate == "deltanet" else decay, chunk_size=8
+    )
     assert_close(out, out_d, rtol=1e-12, name="out")
     assert_close(bank, state_d, rtol=1e-12, name="bank")
 
@@ -102,8 +119,8 @@ def test_snapshot_quantization_error_is_within_its_documented_bound(mode):
     amax = rows.reshape(64, 2, 16).abs().amax(-1, keepdim=True).expand(64, 2, 16).reshape(64, 32)
     err = (back - rows).abs()
     if mode == "bf16":
-        assert (err <= rows.abs() * 2.0 ** -8).all()
-    elif mode == "fp8":      # half a step of 3 mantissa bits, or of the subnormal spacing
-        assert (err <= torch.maximum(rows.abs() * 2.0 ** -4, amax / 448 * 2.0 ** -10)).all()
-    else:                    # half a step of amax / 7
+        assert (err <= rows.abs() * 2.0**-8).all()
+    elif mode == "fp8":  # half a step of 3 mantissa bits, or of the subnormal spacing
+        assert (err <= torch.maximum(rows.abs() * 2.0**-4, amax / 448 * 2.0**-10)).all()
+    else:  # half a step of amax / 7
         assert (err <= amax / 14 * (1 + 1e-6)).all()

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load(name):
     spec = importlib.util.spec_from_file_location(
-        f"benchmarks_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+        f"benchmarks_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -25,21 +26,33 @@ table = load("table")
 ab = load("ab")
 
 RESULTS = {
-    "device": "GPU X", "torch": "2.0", "triton": "3.0",
+    "device": "GPU X",
+    "torch": "2.0",
+    "triton": "3.0",
     "workload": {"B": 2, "T": 8, "H": 1, "D": 4, "S": 16, "W": 1, "R": 1, "chunk_size": 4},
     "copy_bandwidth_bytes_per_s": 2.5e12,
     "sections": [
-        {"name": "main", "title": "two cases",
-         "columns": [{"key": "fwd_ms", "header": "fwd ms", "format": ".3f"},
-                     {"key": "fwd_floor_ms", "header": "floor ms", "format": ".3f"},
-                     {"key": "launches", "header": "launches", "format": "d"}],
-         "rows": [{"case": "a", "fwd_ms": 1.23456, "fwd_floor_ms": 0.5, "launches": 7},
-                  {"case": "b", "fwd_ms": None, "fwd_floor_ms": 0.25, "launches": 3}],
-         "notes": []},
-        {"name": "decode", "title": "one step",
-         "columns": [{"key": "step_graph_us", "header": "replay us", "format": ".1f"}],
-         "rows": [{"case": "float32 bank", "step_graph_us": 9.25}],
-         "notes": ["peer skipped"]},
+        {
+            "name": "main",
+            "title": "two cases",
+            "columns": [
+                {"key": "fwd_ms", "header": "fwd ms", "format": ".3f"},
+                {"key": "fwd_floor_ms", "header": "floor ms", "format": ".3f"},
+                {"key": "launches", "header": "launches", "format": "d"},
+            ],
+            "rows": [
+                {"case": "a", "fwd_ms": 1.23456, "fwd_floor_ms": 0.5, "launches": 7},
+                {"case": "b", "fwd_ms": None, "fwd_floor_ms": 0.25, "launches": 3},
+            ],
+            "notes": [],
+        },
+        {
+            "name": "decode",
+            "title": "one step",
+            "columns": [{"key": "step_graph_us", "header": "replay us", "format": ".1f"}],
+            "rows": [{"case": "float32 bank", "step_graph_us": 9.25}],
+            "notes": ["peer skipped"],
+        },
     ],
 }
 
@@ -62,7 +75,8 @@ def test_markdown_of_a_results_file():
         "|---|---:|\n"
         "| float32 bank | 9.2 |\n"
         "\n"
-        "peer skipped\n")
+        "peer skipped\n"
+    )
 
 
 def test_markdown_of_one_section_and_an_unknown_one():
@@ -75,9 +89,18 @@ def test_markdown_of_one_section_and_an_unknown_one():
 def test_table_command_prints_markdown(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(RESULTS))
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "table.py"),
-                           str(path), "--section", "main"], check=False, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "table.py"),
+            str(path),
+            "--section",
+            "main",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == table.markdown(RESULTS, ["main"])
 
@@ -91,8 +114,7 @@ def with_fwd(results, *values):
 
 
 def test_ab_compares_the_median_of_each_timing():
-    base = [with_fwd(RESULTS, 2.0, 1.0), with_fwd(RESULTS, 4.0, 1.0),
-            with_fwd(RESULTS, 3.0, None)]
+    base = [with_fwd(RESULTS, 2.0, 1.0), with_fwd(RESULTS, 4.0, 1.0), with_fwd(RESULTS, 3.0, None)]
     head = [with_fwd(RESULTS, 1.0, None), with_fwd(RESULTS, 2.0, None)]
     head[1]["sections"][1]["rows"][0]["step_graph_us"] = 8.25
     sections = ab.compare(base, head)
@@ -100,19 +122,26 @@ def test_ab_compares_the_median_of_each_timing():
     # 1.5, 9.25 against 8.75.
     assert sections == [
         {"name": "main", "title": "two cases", "rows": [("a", "fwd ms", ".3f", 3.0, 1.5, 0.5)]},
-        {"name": "decode", "title": "one step",
-         "rows": [("float32 bank", "replay us", ".1f", 9.25, 8.75, 8.75 / 9.25)]}]
+        {
+            "name": "decode",
+            "title": "one step",
+            "rows": [("float32 bank", "replay us", ".1f", 9.25, 8.75, 8.75 / 9.25)],
+        },
+    ]
     lines = ab.render(sections, "base main", "head tree").splitlines()
     assert lines[1] == "main: two cases" and "head/base" in lines[2]
     assert lines[4].split() == ["a", "fwd", "ms", "3.000", "1.500", "0.500"]
     assert lines[-1].split() == ["float32", "bank", "replay", "us", "9.2", "8.8", "0.946"]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--base", "HEAD", "--json", "x.json"], "--json is set by ab.py"),
-    (["--base", "HEAD", "--rounds", "0"], "--rounds must be at least 1"),
-    ([], "--base"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--base", "HEAD", "--json", "x.json"], "--json is set by ab.py"),
+        (["--base", "HEAD", "--rounds", "0"], "--rounds must be at least 1"),
+        ([], "--base"),
+    ],
+)
 def test_ab_refuses_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         ab.main(argv)

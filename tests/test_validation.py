@@ -45,16 +45,25 @@ BAD = [
     ("bank", lambda a: a["bank"][:1], ValueError, "bank"),
     ("bank", lambda a: a["bank"].double(), TypeError, "bank"),
     ("decay", lambda a: a["decay"][..., :1], ValueError, "decay"),
-    ("write_idx", lambda a: torch.where(a["write_idx"] == 3, 11, a["write_idx"]), ValueError,
-     "write_idx"),
-    ("read_idx", lambda a: torch.where(a["read_idx"] == 3, -2, a["read_idx"]), ValueError,
-     "read_idx"),
+    (
+        "write_idx",
+        lambda a: torch.where(a["write_idx"] == 3, 11, a["write_idx"]),
+        ValueError,
+        "write_idx",
+    ),
+    (
+        "read_idx",
+        lambda a: torch.where(a["read_idx"] == 3, -2, a["read_idx"]),
+        ValueError,
+        "read_idx",
+    ),
     ("bank", lambda a: a["bank"].to("meta"), ValueError, "bank"),
 ]
 
 
-@pytest.mark.parametrize("name,make,error,text", BAD,
-                         ids=[f"{n}-{i}" for i, (n, *_) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "name,make,error,text", BAD, ids=[f"{n}-{i}" for i, (n, *_) in enumerate(BAD)]
+)
 def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, error, text):
     a = _args(seed=1)
     bad = dict(a, **{name: make(a)})
@@ -64,15 +73,22 @@ def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, e
         state = a["bank"].clone()
         before = state.clone()
         with pytest.raises(error, match=text):
-            sdm_ops.sparse_delta_memory_(bank=state,
-                                         **{k: v for k, v in bad.items() if k != "bank"})
+            sdm_ops.sparse_delta_memory_(
+                bank=state, **{k: v for k, v in bad.items() if k != "bank"}
+            )
         assert torch.equal(state, before), "a rejected in-place call modified the bank"
 
 
-@pytest.mark.parametrize("option,value,error", [
-    ("chunk_size", 48, ValueError), ("chunk_size", 64.0, TypeError),
-    ("chunk_size", True, TypeError),
-    ("snapshot", "fp16", ValueError), ("snapshot", None, ValueError)])
+@pytest.mark.parametrize(
+    "option,value,error",
+    [
+        ("chunk_size", 48, ValueError),
+        ("chunk_size", 64.0, TypeError),
+        ("chunk_size", True, TypeError),
+        ("snapshot", "fp16", ValueError),
+        ("snapshot", None, ValueError),
+    ],
+)
 def test_bad_options_raise_naming_the_option(option, value, error):
     with pytest.raises(error, match=option):
         sdm_ops.sparse_delta_memory(**_args(seed=2), **{option: value})
@@ -82,7 +98,7 @@ def test_in_place_update_needs_a_contiguous_per_stream_bank():
     a = _args(seed=3)
     rest = {k: v for k, v in a.items() if k != "bank"}
     with pytest.raises(ValueError, match="bank"):
-        sdm_ops.sparse_delta_memory_(bank=a["bank"][0], **rest)           # shared [H, S, D]
+        sdm_ops.sparse_delta_memory_(bank=a["bank"][0], **rest)  # shared [H, S, D]
     with pytest.raises(ValueError, match="contiguous"):
         strided = a["bank"].transpose(0, 1).contiguous().transpose(0, 1)
         sdm_ops.sparse_delta_memory_(bank=strided, **rest)
@@ -98,11 +114,13 @@ def _oracle(a):
     return ref.sdm_token_reference(*(to_float64(a).get(k) for k in ORDER))
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)],
-                         ids=["cpu_reference", "kernels"])
+@pytest.mark.parametrize(
+    "kernels", [False, pytest.param(True, marks=requires_kernels)], ids=["cpu_reference", "kernels"]
+)
 def test_every_entry_padding_reads_zero_and_keeps_the_bank(kernels):
-    a = make_sdm_inputs(B=1, T=17, H=2, D=16, S=5, W=2, R=2, seed=4,
-                        device=KERNEL_DEVICE if kernels else "cpu")
+    a = make_sdm_inputs(
+        B=1, T=17, H=2, D=16, S=5, W=2, R=2, seed=4, device=KERNEL_DEVICE if kernels else "cpu"
+    )
     a["write_idx"].fill_(-1)
     a["read_idx"].fill_(-1)
     with on_kernels() if kernels else torch.no_grad():
@@ -111,14 +129,16 @@ def test_every_entry_padding_reads_zero_and_keeps_the_bank(kernels):
     assert torch.equal(bank, a["bank"])
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)],
-                         ids=["cpu_reference", "kernels"])
+@pytest.mark.parametrize(
+    "kernels", [False, pytest.param(True, marks=requires_kernels)], ids=["cpu_reference", "kernels"]
+)
 def test_nan_and_inf_values_propagate_without_a_crash(kernels):
     """A non-finite value poisons what it reaches in the recurrence and, in the chunked form,
     the outputs of its whole chunk (its dual matmul multiplies it by zeros); earlier chunks are
     untouched, and the NaNs are where the chunked reference has them."""
-    a = make_sdm_inputs(B=1, T=40, H=1, D=16, S=6, W=2, R=2, seed=5,
-                        device=KERNEL_DEVICE if kernels else "cpu")
+    a = make_sdm_inputs(
+        B=1, T=40, H=1, D=16, S=6, W=2, R=2, seed=5, device=KERNEL_DEVICE if kernels else "cpu"
+    )
     a["v"][0, 20, 0, 2] = float("nan")
     a["v"][0, 25, 0, 5] = float("inf")
     with on_kernels() if kernels else torch.no_grad():
@@ -126,8 +146,7 @@ def test_nan_and_inf_values_propagate_without_a_crash(kernels):
     out, bank = out.double().cpu(), bank.double().cpu()
     # The chunked reference: sparse gathers, like the kernels (the token-by-token one works on
     # dense keys, where 0 * inf spreads NaN to every slot).
-    out_r, bank_r = ref.sdm_chunked_reference(*(to_float64(a).get(k) for k in ORDER),
-                                              chunk_size=16)
+    out_r, bank_r = ref.sdm_chunked_reference(*(to_float64(a).get(k) for k in ORDER), chunk_size=16)
     assert_close(out[:, :16], out_r[:, :16], rtol=1e-5, name="the chunk before the NaN")
     assert out[:, 20:].isnan().any()
     assert torch.equal(out.isnan(), out_r.isnan())
@@ -140,8 +159,10 @@ def test_mixed_int32_and_int64_indices_and_permuted_inputs():
     a = _args(seed=6)
     a["write_idx"] = a["write_idx"].to(torch.int32)
     base = sdm_ops.sparse_delta_memory(**a)
-    perm = {k: (v.transpose(0, 1).contiguous().transpose(0, 1) if v.dim() >= 3 else v)
-            for k, v in a.items()}
+    perm = {
+        k: (v.transpose(0, 1).contiguous().transpose(0, 1) if v.dim() >= 3 else v)
+        for k, v in a.items()
+    }
     assert not perm["v"].is_contiguous()
     again = sdm_ops.sparse_delta_memory(**perm)
     assert torch.equal(base.out, again.out) and torch.equal(base.bank, again.bank)
@@ -153,10 +174,12 @@ def test_mixed_int32_and_int64_indices_and_permuted_inputs():
 def test_wy_solve_rejects_bad_arguments_naming_them():
     A, QK = torch.randn(2, 3, 16, 16).unbind(0)
     beta = torch.rand(3, 16)
-    for args, error, text in [((A.double(), beta, QK), TypeError, "A"),
-                              ((A, beta[:, :8], QK), ValueError, "beta"),
-                              ((A, beta, QK[:, :8]), ValueError, "QK"),
-                              ((A[0], beta, QK), ValueError, "A")]:
+    for args, error, text in [
+        ((A.double(), beta, QK), TypeError, "A"),
+        ((A, beta[:, :8], QK), ValueError, "beta"),
+        ((A, beta, QK[:, :8]), ValueError, "QK"),
+        ((A[0], beta, QK), ValueError, "A"),
+    ]:
         with pytest.raises(error, match=text):
             sdm_ops.wy_solve(*args)
 
@@ -188,7 +211,7 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
     state = a["bank"].clone()
     rest = {k: v for k, v in a.items() if k != "bank"}
     with torch.no_grad():
-        sdm_ops.sparse_delta_memory(**a)        # compiles the kernels first
+        sdm_ops.sparse_delta_memory(**a)  # compiles the kernels first
         sdm_ops.sparse_delta_memory_(bank=state, **rest)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
@@ -234,11 +257,12 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
         leaves = {k: a[k].clone().requires_grad_() for k in ("v", "bank")}
         out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves))
         grads = torch.autograd.grad(out.sum() + bank.sum(), list(leaves.values()))
-        with torch.no_grad():           # the inference forward: its bank copy on a side stream
+        with torch.no_grad():  # the inference forward: its bank copy on a side stream
             inference = sdm_ops.sparse_delta_memory(**a)
         state = a["bank"].clone()
-        step = sdm_ops.sparse_delta_memory_(bank=state,
-                                            **{k: v for k, v in a.items() if k != "bank"})
+        step = sdm_ops.sparse_delta_memory_(
+            bank=state, **{k: v for k, v in a.items() if k != "bank"}
+        )
         raw = torch.randn(6, 8 + 8, generator=torch.Generator().manual_seed(5)).to(a["v"].device)
         top = sdm_ops.product_key_topk(raw, (8, 8), 4)
         return [t.cpu() for t in (out, bank, *grads, *inference, step, state, *top)]
@@ -297,16 +321,23 @@ def test_head_first_layout_is_reported_against_v_naming_the_layout(which):
     error, which names the expected [B, T, H, D] layout."""
     a = make_sdm_inputs(B=2, T=5, H=3, D=16, S=11, W=3, R=2, seed=7)
     hf = {k: t if k == "bank" else t.transpose(1, 2) for k, t in a.items()}
-    bad = {"all": hf, "v": dict(a, v=hf["v"]), "shared bank": dict(hf, bank=a["bank"][0]),
-           "in place": hf}[which]
+    bad = {
+        "all": hf,
+        "v": dict(a, v=hf["v"]),
+        "shared bank": dict(hf, bank=a["bank"][0]),
+        "in place": hf,
+    }[which]
     fn = sdm_ops.sparse_delta_memory_ if which == "in place" else sdm_ops.sparse_delta_memory
-    with pytest.raises(ValueError, match=r"^v must have shape \[B, T, H, D\] \(time before "
-                                         r"heads\).*head-first \[B, H, T, D\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"^v must have shape \[B, T, H, D\] \(time before "
+        r"heads\).*head-first \[B, H, T, D\]",
+    ):
         fn(**bad)
 
 
 def test_a_bank_of_the_wrong_heads_is_still_the_bank_s_error():
-    a = _args(seed=8)                                   # T = 5, H = 2
+    a = _args(seed=8)  # T = 5, H = 2
     with pytest.raises(ValueError, match="^bank must have shape"):
         sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:, :1]))
 

@@ -23,7 +23,7 @@ from tests.helpers import (
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 H, D, S, W, R = 2, 16, 9, 3, 2
-LENGTHS = [0, 5, 16, 37, 1, 0, 20]       # empty, short, one chunk exactly, several, partial
+LENGTHS = [0, 5, 16, 37, 1, 0, 20]  # empty, short, one chunk exactly, several, partial
 
 
 def packed_inputs(lengths, **kw) -> dict:
@@ -37,8 +37,11 @@ def run_with_grads(fn, a: dict, g_out: torch.Tensor, g_bank: torch.Tensor, **kw)
     out, bank = fn(**dict(a, **leaves), **kw)
     loss = (out.to(torch.float64) * g_out).sum() + (bank.to(torch.float64) * g_bank).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    return out, bank, {k: torch.zeros_like(x) if g is None else g
-                       for (k, x), g in zip(leaves.items(), grads)}
+    return (
+        out,
+        bank,
+        {k: torch.zeros_like(x) if g is None else g for (k, x), g in zip(leaves.items(), grads)},
+    )
 
 
 def oracle(a: dict, g_out, g_bank, chunk_size):
@@ -49,21 +52,31 @@ def oracle(a: dict, g_out, g_bank, chunk_size):
 def grads_for(a: dict, seed: int):
     g = torch.Generator().manual_seed(seed)
     T, N = a["v"].shape[1], a["cu_seqlens"].shape[0] - 1
-    return (torch.randn(1, T, H, D, generator=g, dtype=torch.float64).to(a["v"].device),
-            torch.randn(N, H, S, D, generator=g, dtype=torch.float64).to(a["v"].device))
+    return (
+        torch.randn(1, T, H, D, generator=g, dtype=torch.float64).to(a["v"].device),
+        torch.randn(N, H, S, D, generator=g, dtype=torch.float64).to(a["v"].device),
+    )
 
 
-def each_alone(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, *, cu_seqlens,
-               **kw):
+def each_alone(
+    v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, *, cu_seqlens, **kw
+):
     """``sparse_delta_memory`` called on each sequence of a packed batch as a dense batch of one."""
     outs, banks = [], []
     cu = cu_seqlens.tolist()
     for n in range(len(cu) - 1):
         t = slice(cu[n], cu[n + 1])
         o, m = sdm_ops.sparse_delta_memory(
-            v[:, t], beta[:, t], write_idx[:, t], write_w[:, t], read_idx[:, t], read_w[:, t],
-            bank if bank.dim() == 3 else bank[n:n + 1], None if decay is None else decay[:, t],
-            **kw)
+            v[:, t],
+            beta[:, t],
+            write_idx[:, t],
+            write_w[:, t],
+            read_idx[:, t],
+            read_w[:, t],
+            bank if bank.dim() == 3 else bank[n : n + 1],
+            None if decay is None else decay[:, t],
+            **kw,
+        )
         outs.append(o)
         banks.append(m.expand(1, *m.shape[1:]) if m.dim() == 4 else m[None])
     return torch.cat(outs, 1), torch.cat(banks, 0)
@@ -74,8 +87,9 @@ def test_kernels_quantized_snapshot_equals_each_sequence_alone():
     a = packed_inputs([3, 0, 18, 7], device=KERNEL_DEVICE, seed=13)
     g_out, g_bank = grads_for(a, 9)
     with on_kernels():
-        got = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16,
-                             snapshot="int4")
+        got = run_with_grads(
+            sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16, snapshot="int4"
+        )
         want = run_with_grads(each_alone, a, g_out, g_bank, chunk_size=16, snapshot="int4")
     assert_close(got[0], want[0], rtol=1e-5, name="out")
     assert_close(got[1], want[1], rtol=1e-5, name="bank")
@@ -87,11 +101,15 @@ def check_against_oracle(a, chunk_size, rtol, *, snapshot="none", kernels=True):
     g_out, g_bank = grads_for(a, 7)
     ctx = on_kernels() if kernels else contextlib.nullcontext()
     with ctx:
-        out, bank, grads = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank,
-                                          chunk_size=chunk_size, snapshot=snapshot)
-    want_out, want_bank, want = oracle({k: v.cpu() if torch.is_tensor(v) else v
-                                        for k, v in a.items()}, g_out.cpu(), g_bank.cpu(),
-                                       chunk_size)
+        out, bank, grads = run_with_grads(
+            sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=chunk_size, snapshot=snapshot
+        )
+    want_out, want_bank, want = oracle(
+        {k: v.cpu() if torch.is_tensor(v) else v for k, v in a.items()},
+        g_out.cpu(),
+        g_bank.cpu(),
+        chunk_size,
+    )
     assert bank.shape == (a["cu_seqlens"].shape[0] - 1, H, S, D)
     assert_close(out, want_out, rtol=rtol, name="out")
     assert_close(bank, want_bank, rtol=rtol, name="bank")
@@ -110,8 +128,8 @@ def test_chunk_tables_list_each_sequences_chunks_in_order():
         bounds.append(len(want))
         start += n
     assert chunks.shape == (-(-79 // C) + len(lengths), 2)
-    assert chunks[:len(want)].tolist() == want
-    assert (chunks[len(want):] == 0).all(), "unused chunk slots must hold no tokens"
+    assert chunks[: len(want)].tolist() == want
+    assert (chunks[len(want) :] == 0).all(), "unused chunk slots must hold no tokens"
     assert seq_chunks.tolist() == bounds
 
 
@@ -166,20 +184,24 @@ def test_inplace_variant_updates_each_sequences_bank(kernels):
     ctx = on_kernels() if kernels else contextlib.nullcontext()
     with ctx:
         out = sdm_ops.sparse_delta_memory_(bank=bank, **rest, chunk_size=16)
-    want_out, want_bank = ref.sdm_varlen_reference(**{k: v.cpu() for k, v in a.items()},
-                                                   chunk_size=16)
+    want_out, want_bank = ref.sdm_varlen_reference(
+        **{k: v.cpu() for k, v in a.items()}, chunk_size=16
+    )
     assert_close(out, want_out, rtol=1e-5, name="out")
     assert_close(bank, want_bank, rtol=1e-5, name="bank updated in place")
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda cu: cu.add(1), "start at 0"),
-    (lambda cu: torch.tensor([0, 9, 4, 20, 24], dtype=cu.dtype), "non-decreasing"),
-    (lambda cu: torch.tensor([0, 3, 5, 8, 20], dtype=cu.dtype), "end at"),
-    (lambda cu: cu.float(), "dtype int32 or int64"),
-    (lambda cu: cu[None], "1 dimensions"),
-    (lambda cu: cu[:1], "N \\+ 1 >= 2"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda cu: cu.add(1), "start at 0"),
+        (lambda cu: torch.tensor([0, 9, 4, 20, 24], dtype=cu.dtype), "non-decreasing"),
+        (lambda cu: torch.tensor([0, 3, 5, 8, 20], dtype=cu.dtype), "end at"),
+        (lambda cu: cu.float(), "dtype int32 or int64"),
+        (lambda cu: cu[None], "1 dimensions"),
+        (lambda cu: cu[:1], "N \\+ 1 >= 2"),
+    ],
+)
 def test_bad_cu_seqlens_raise_value_or_type_errors_naming_it(change, match):
     a = packed_inputs([3, 0, 18, 3], seed=10)
     a["cu_seqlens"] = change(a["cu_seqlens"])
@@ -192,8 +214,9 @@ def test_bad_cu_seqlens_raise_value_or_type_errors_naming_it(change, match):
 
 def test_packed_batch_must_have_one_row_and_one_bank_per_sequence():
     a = packed_inputs([3, 5], seed=11)
-    two_rows = {k: (torch.cat([v, v]) if k not in ("bank", "cu_seqlens") else v)
-                for k, v in a.items()}
+    two_rows = {
+        k: (torch.cat([v, v]) if k not in ("bank", "cu_seqlens") else v) for k, v in a.items()
+    }
     with pytest.raises(ValueError, match="B = 2"):
         sdm_ops.sparse_delta_memory(**two_rows)
     with pytest.raises(ValueError, match=r"bank must have shape \[N, H, S, D\]"):
@@ -207,8 +230,7 @@ def test_cu_seqlens_on_another_device_is_rejected():
         sdm_ops.sparse_delta_memory(**a)
 
 
-@pytest.mark.parametrize("offsets", [[0, 50, 10, 24], [-7, 3, 3, 99], [5, 4, 3, 2],
-                                     [0, 24, 0, 24]])
+@pytest.mark.parametrize("offsets", [[0, 50, 10, 24], [-7, 3, 3, 99], [5, 4, 3, 2], [0, 24, 0, 24]])
 def test_chunk_tables_stay_inside_the_batch_for_any_offsets(offsets):
     """Compiled code and CUDA graphs skip the checks of cu_seqlens: whatever it holds, every
     chunk of the tables lies within the T = 24 tokens and every slot within the table."""
@@ -222,15 +244,28 @@ def test_chunk_tables_stay_inside_the_batch_for_any_offsets(offsets):
 
 
 @requires_kernels
-@pytest.mark.parametrize("offsets,T,C", [
-    ([0, 0, 5, 21, 58, 59, 59, 79], 79, 16),               # LENGTHS: empty, short, exact, ...
-    ([0, 79], 79, 64), ([0, 0], 0, 16), ([0, 3], 3, 128),
-    ([0, 50, 10, 24], 24, 16), ([-7, 3, 3, 99], 24, 16), ([5, 4, 3, 2], 24, 16),
-    ([0, 24, 0, 24], 24, 16),                              # malformed: clamped as the reference
-    (list(range(0, 301, 3)), 300, 16),                    # 100 sequences: two steps of the walk
-    (sorted(torch.randint(0, 4000, (150,), generator=torch.Generator().manual_seed(5))
-            .tolist() + [0, 4000]), 4000, 32),             # 150 slots per program and then some
-])
+@pytest.mark.parametrize(
+    "offsets,T,C",
+    [
+        ([0, 0, 5, 21, 58, 59, 59, 79], 79, 16),  # LENGTHS: empty, short, exact, ...
+        ([0, 79], 79, 64),
+        ([0, 0], 0, 16),
+        ([0, 3], 3, 128),
+        ([0, 50, 10, 24], 24, 16),
+        ([-7, 3, 3, 99], 24, 16),
+        ([5, 4, 3, 2], 24, 16),
+        ([0, 24, 0, 24], 24, 16),  # malformed: clamped as the reference
+        (list(range(0, 301, 3)), 300, 16),  # 100 sequences: two steps of the walk
+        (
+            sorted(
+                torch.randint(0, 4000, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+                + [0, 4000]
+            ),
+            4000,
+            32,
+        ),  # 150 slots per program and then some
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_chunk_tables_kernel_equals_the_reference(offsets, T, C, dtype):
     cu = torch.tensor(offsets, dtype=dtype)
@@ -245,8 +280,9 @@ def test_chunk_tables_kernel_equals_the_reference(offsets, T, C, dtype):
 @requires_kernels
 @pytest.mark.parametrize("W_, R_", [(0, 2), (3, 0)])
 def test_kernels_bfloat16_and_no_write_or_no_read_entries_equal_each_sequence_alone(W_, R_):
-    a = make_packed_sdm_inputs([3, 18, 9], H, D, S, W_, R_, seed=14, dtype=torch.bfloat16,
-                               device=KERNEL_DEVICE)
+    a = make_packed_sdm_inputs(
+        [3, 18, 9], H, D, S, W_, R_, seed=14, dtype=torch.bfloat16, device=KERNEL_DEVICE
+    )
     g_out, g_bank = grads_for(a, 16)
     with on_kernels():
         got = run_with_grads(sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=16)
@@ -271,15 +307,33 @@ def test_kernels_strided_cu_seqlens_equals_contiguous(dtype):
     with on_kernels():
         tables = sdm_ops.ops.varlen_chunks(every_other, T, 16)
         want_tables = sdm_ops.ops.varlen_chunks(every_other.contiguous(), T, 16)
-        got = run_with_grads(sdm_ops.sparse_delta_memory, dict(a, cu_seqlens=every_other),
-                             g_out, g_bank, chunk_size=16)
-        want = run_with_grads(sdm_ops.sparse_delta_memory,
-                              dict(a, cu_seqlens=every_other.contiguous()), g_out, g_bank,
-                              chunk_size=16)
+        got = run_with_grads(
+            sdm_ops.sparse_delta_memory,
+            dict(a, cu_seqlens=every_other),
+            g_out,
+            g_bank,
+            chunk_size=16,
+        )
+        want = run_with_grads(
+            sdm_ops.sparse_delta_memory,
+            dict(a, cu_seqlens=every_other.contiguous()),
+            g_out,
+            g_bank,
+            chunk_size=16,
+        )
         bank = a["bank"].clone()
-        out_ = sdm_ops.sparse_delta_memory_(a["v"], a["beta"], a["write_idx"], a["write_w"],
-                                            a["read_idx"], a["read_w"], bank, a["decay"],
-                                            chunk_size=16, cu_seqlens=every_other)
+        out_ = sdm_ops.sparse_delta_memory_(
+            a["v"],
+            a["beta"],
+            a["write_idx"],
+            a["write_w"],
+            a["read_idx"],
+            a["read_w"],
+            bank,
+            a["decay"],
+            chunk_size=16,
+            cu_seqlens=every_other,
+        )
     for t, w in zip(tables, want_tables):
         assert torch.equal(t, w), (t, w)
     assert torch.equal(got[0], want[0]), "out differs with a strided cu_seqlens"

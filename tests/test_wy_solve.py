@@ -70,8 +70,9 @@ def reference_grads(A, beta, QK, dX, dQX):
 def assert_exact_zero_above(t: torch.Tensor, diagonal: int, name: str) -> None:
     """t is +0.0 (not -0.0) on the diagonals >= ``diagonal`` of each chunk."""
     upper = torch.triu(t, diagonal)
-    assert not upper.any() and not torch.signbit(upper).any(), \
+    assert not upper.any() and not torch.signbit(upper).any(), (
         f"{name}: not +0.0 on and above diagonal {diagonal}"
+    )
 
 
 @requires_kernels

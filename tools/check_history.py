@@ -21,8 +21,10 @@ SUFFIXES = (".py", ".sh", ".md", ".toml", ".cfg", ".txt", ".yml", ".yaml")
 # A whole word of 7 to 40 lowercase hex digits holding at least one digit and one letter (a
 # commit hash), not part of a 0x literal; an ISO date; names of run logs and outside documents.
 PATTERNS = {
-    "commit hash": re.compile(r"(?<![0-9A-Za-z_.x])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])"
-                              r"[0-9a-f]{7,40}(?![0-9A-Za-z_])"),
+    "commit hash": re.compile(
+        r"(?<![0-9A-Za-z_.x])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])"
+        r"[0-9a-f]{7,40}(?![0-9A-Za-z_])"
+    ),
     "date": re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"),
     "run log": re.compile(r"PERF_NOTES|GPU_RUNS"),
     "outside document": re.compile(r"SPEC section|STYLE\.md|SPEC\.md"),
@@ -41,8 +43,9 @@ def scan_text(text: str) -> list[tuple[int, str, str]]:
 
 
 def tracked_files(root: Path) -> list[Path]:
-    names = subprocess.run(["git", "ls-files"], cwd=root, check=True, capture_output=True,
-                           text=True).stdout.splitlines()
+    names = subprocess.run(
+        ["git", "ls-files"], cwd=root, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
     return [root / n for n in names if n.endswith(SUFFIXES)]
 
 
@@ -56,12 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         if path.resolve() == me or not path.is_file():
             continue
         for number, kind, line in scan_text(path.read_text(errors="replace")):
-            print(f"{path.relative_to(root) if path.is_absolute() else path}:{number}: "
-                  f"[{kind}] {line}")
+            print(
+                f"{path.relative_to(root) if path.is_absolute() else path}:{number}: "
+                f"[{kind}] {line}"
+            )
             found += 1
     if found:
-        print(f"{found} line(s) carry history or cite documents outside the repository; "
-              "say what and why instead (git log keeps the history)", file=sys.stderr)
+        print(
+            f"{found} line(s) carry history or cite documents outside the repository; "
+            "say what and why instead (git log keeps the history)",
+            file=sys.stderr,
+        )
     return 1 if found else 0
 
 

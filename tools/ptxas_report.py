@@ -45,16 +45,16 @@ for module, name, sig, consts, options, divisible in json.load(sys.stdin):
 def _launches(chunk_size: int = 64) -> list:
     """Signatures of the distinct launches of the reference workload's configuration."""
     calls: list = []
-    _ON_CPU.set(True)       # the operators take the kernel path on CPU tensors; nothing runs
+    _ON_CPU.set(True)  # the operators take the kernel path on CPU tensors; nothing runs
     with _recording(calls, run=False):
         for bank_dtype in (torch.float32, torch.bfloat16):
-            a = bench.make_workload(1, 128, 2, 64, 4096, 8, 8, decay=True, bank_dtype=bank_dtype,
-                                    dev="cpu")
+            a = bench.make_workload(
+                1, 128, 2, 64, 4096, 8, 8, decay=True, bank_dtype=bank_dtype, dev="cpu"
+            )
             for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
                 a[name].requires_grad_()
             for mode in ("none", "bf16", "fp8", "int4"):
-                out, bank = sdm_ops.sparse_delta_memory(**a, snapshot=mode,
-                                                        chunk_size=chunk_size)
+                out, bank = sdm_ops.sparse_delta_memory(**a, snapshot=mode, chunk_size=chunk_size)
                 loss = out.float().sum() + bank.float().sum()
                 torch.autograd.grad(loss, [t for t in a.values() if t.requires_grad])
             with torch.no_grad():
@@ -74,12 +74,15 @@ def _divisible(kernel, args, kwargs) -> list:
     aligned, integers multiples of 16): without them a kernel compiles to other code (scalar
     instead of vector loads, and other register counts) than it runs as."""
     fn = kernel.fn if hasattr(kernel, "fn") else kernel
-    names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
+    names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
     bound = dict(zip(names, args))
-    bound.update({k: v for k, v in kwargs.items() if k in names})    # not num_warps
-    return [n for n, v in bound.items()
-            if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0)
-            or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)]
+    bound.update({k: v for k, v in kwargs.items() if k in names})  # not num_warps
+    return [
+        n
+        for n, v in bound.items()
+        if (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0)
+        or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)
+    ]
 
 
 def main() -> None:
@@ -88,11 +91,17 @@ def main() -> None:
     chunk_size = int(sys.argv[1]) if len(sys.argv) > 1 else 64
     launches = _launches(chunk_size)
     env = dict(os.environ)
-    done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(launches),
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE],
+        input=json.dumps(launches),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if done.returncode:
         sys.exit(done.stderr[-3000:])
     from triton.backends.nvidia.compiler import get_ptxas
+
     ptxas = get_ptxas(90)
     ptxas = getattr(ptxas, "path", ptxas)
     print(f"{'kernel':<26}{'regs':>5}{'spill B':>8}  constexprs")
@@ -102,15 +111,19 @@ def main() -> None:
             path = os.path.join(tmp, "k.ptx")
             with open(path, "w") as f:
                 f.write(ptx)
-            info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", path, "-o",
-                                   os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True).stderr
+            info = subprocess.run(
+                [ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                capture_output=True,
+                text=True,
+            ).stderr
         regs = re.search(r"Used (\d+) registers", info)
         spill = re.search(r"(\d+) bytes spill stores", info)
         shown = {k: v for k, v in consts.items() if v is not None and k not in ("D",)}
         types = ",".join(f"{k}={v}" for k, v in sig.items() if k in ("bank", "snap"))
-        print(f"{name:<26}{regs.group(1) if regs else '?':>5}{spill.group(1) if spill else '?':>8}"
-              f"  {shown} {types} warps={options.get('num_warps')}")
+        print(
+            f"{name:<26}{regs.group(1) if regs else '?':>5}{spill.group(1) if spill else '?':>8}"
+            f"  {shown} {types} warps={options.get('num_warps')}"
+        )
 
 
 if __name__ == "__main__":

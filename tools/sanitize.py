@@ -63,7 +63,7 @@ SNAPSHOTS = ("none", "bf16", "fp8", "int4")
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 SEQUENCE = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
 PARTS = ("eager", "compiled", "graphs", "ops")
-CU_SEQLENS = (0, 7, 7, 23, 40)   # packed cases: 4 sequences of 7, 0, 16 and 17 tokens
+CU_SEQLENS = (0, 7, 7, 23, 40)  # packed cases: 4 sequences of 7, 0, 16 and 17 tokens
 BAD_FRACTION = 1 / 3
 
 F32, BF16, I32, I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
@@ -75,9 +75,17 @@ DTYPE_NAMES = {F32: "float32", BF16: "bfloat16", I32: "int32", I64: "int64"}
 # ---------------------------------------------------------------------------
 
 
-def make_inputs(*, dtype: torch.dtype, decay: bool, shared: bool, index_dtype: torch.dtype,
-                seed: int, batch: int = B, steps: int = T,
-                varlen: bool = False) -> dict[str, Tensor | None]:
+def make_inputs(
+    *,
+    dtype: torch.dtype,
+    decay: bool,
+    shared: bool,
+    index_dtype: torch.dtype,
+    seed: int,
+    batch: int = B,
+    steps: int = T,
+    varlen: bool = False,
+) -> dict[str, Tensor | None]:
     """Arguments of ``sparse_delta_memory`` on the CPU: indices in [0, S) with 15% -1
     padding (S is small, so tokens and chunks share slots), decays in [0, 1] with exact 0s and
     1s, random normals elsewhere; every float in ``dtype``. ``varlen``: one packed batch of
@@ -92,11 +100,17 @@ def make_inputs(*, dtype: torch.dtype, decay: bool, shared: bool, index_dtype: t
     def rnd(*shape: int, scale: float = 1.0) -> Tensor:
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
-    a = dict(v=rnd(batch, steps, H, D), beta=torch.rand(batch, steps, H, generator=g).to(dtype),
-             write_idx=idx(W), write_w=rnd(batch, steps, H, W, scale=0.5), read_idx=idx(R),
-             read_w=rnd(batch, steps, H, R, scale=0.5),
-             bank=rnd(*(() if shared else (banks,)), H, S, D), decay=None,
-             cu_seqlens=torch.tensor(CU_SEQLENS, dtype=index_dtype) if varlen else None)
+    a = dict(
+        v=rnd(batch, steps, H, D),
+        beta=torch.rand(batch, steps, H, generator=g).to(dtype),
+        write_idx=idx(W),
+        write_w=rnd(batch, steps, H, W, scale=0.5),
+        read_idx=idx(R),
+        read_w=rnd(batch, steps, H, R, scale=0.5),
+        bank=rnd(*(() if shared else (banks,)), H, S, D),
+        decay=None,
+        cu_seqlens=torch.tensor(CU_SEQLENS, dtype=index_dtype) if varlen else None,
+    )
     if decay:
         d = torch.rand(batch, steps, H, W, generator=g)
         u = torch.rand(batch, steps, H, W, generator=g)
@@ -108,9 +122,10 @@ def out_of_range(idx: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor]:
     """(bad, padded): about a third of ``idx``'s entries (valid or padding alike) set to
     indices outside [0, S), respectively to -1; the other entries unchanged."""
     info = torch.iinfo(idx.dtype)
-    far = 2 ** 40 if idx.dtype == I64 else 2 ** 30
-    values = torch.tensor([S, S + 1, S + 1000, far, info.max, -2, -S - 1, -far, info.min],
-                          dtype=idx.dtype)
+    far = 2**40 if idx.dtype == I64 else 2**30
+    values = torch.tensor(
+        [S, S + 1, S + 1000, far, info.max, -2, -S - 1, -far, info.min], dtype=idx.dtype
+    )
     pick = torch.rand(idx.shape, generator=g) < BAD_FRACTION
     choice = values[torch.randint(0, len(values), idx.shape, generator=g)]
     return torch.where(pick, choice, idx), torch.where(pick, torch.full_like(idx, -1), idx)
@@ -135,9 +150,11 @@ def to_device(a: dict, device: torch.device) -> dict:
 def describe(dtype, snapshot, decay, shared, index_dtype, varlen=False) -> str:
     mode = "" if snapshot is None else f", snapshot {snapshot}"
     packed = f", cu_seqlens {list(CU_SEQLENS)}" if varlen else ""
-    return (f"{DTYPE_NAMES[dtype]} bank{mode}, {'decay' if decay else 'no decay'}, "
-            f"{'shared' if shared else 'per-stream'} bank, {DTYPE_NAMES[index_dtype]} indices"
-            f"{packed}")
+    return (
+        f"{DTYPE_NAMES[dtype]} bank{mode}, {'decay' if decay else 'no decay'}, "
+        f"{'shared' if shared else 'per-stream'} bank, {DTYPE_NAMES[index_dtype]} indices"
+        f"{packed}"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -162,20 +179,51 @@ def kernels(device: torch.device, eager: bool = True):
     return contextlib.nullcontext()
 
 
-def sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, snapshot="none",
-        cu_seqlens=None):
-    return sparse_delta_memory(v, beta, write_idx, write_w, read_idx, read_w, bank, decay,
-                               chunk_size=CHUNK, snapshot=snapshot, cu_seqlens=cu_seqlens)
+def sdm(
+    v,
+    beta,
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    bank,
+    decay=None,
+    snapshot="none",
+    cu_seqlens=None,
+):
+    return sparse_delta_memory(
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size=CHUNK,
+        snapshot=snapshot,
+        cu_seqlens=cu_seqlens,
+    )
 
 
-def sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None,
-                cu_seqlens=None):
-    return sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank, decay,
-                                chunk_size=CHUNK, cu_seqlens=cu_seqlens)
+def sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None, cu_seqlens=None):
+    return sparse_delta_memory_(
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size=CHUNK,
+        cu_seqlens=cu_seqlens,
+    )
 
 
-def forward_backward(fn: Callable, a: dict, snapshot: str, g_out: Tensor,
-                     g_bank: Tensor) -> dict[str, Tensor]:
+def forward_backward(
+    fn: Callable, a: dict, snapshot: str, g_out: Tensor, g_bank: Tensor
+) -> dict[str, Tensor]:
     """out, bank and the gradient of every float input of ``loss = <out, g_out> + <bank,
     g_bank>`` for ``fn`` (``sdm`` or a compiled ``sdm``)."""
     leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if a[k] is not None}
@@ -183,7 +231,8 @@ def forward_backward(fn: Callable, a: dict, snapshot: str, g_out: Tensor,
     loss = (out.float() * g_out).sum() + (bank.float() * g_bank).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return {"out": out.detach(), "bank": bank.detach()} | {
-        f"d{k}": g for k, g in zip(leaves, grads)}
+        f"d{k}": g for k, g in zip(leaves, grads)
+    }
 
 
 def inference(fn: Callable, a: dict) -> dict[str, Tensor]:
@@ -204,14 +253,19 @@ def assert_same(got: dict[str, Tensor], want: dict[str, Tensor], what: str) -> s
     for name, w in want.items():
         g = got[name]
         if g.dtype != w.dtype or g.shape != w.shape:
-            raise AssertionError(f"{name}: {g.dtype} {list(g.shape)} against {what}'s "
-                                 f"{w.dtype} {list(w.shape)}")
+            raise AssertionError(
+                f"{name}: {g.dtype} {list(g.shape)} against {what}'s {w.dtype} {list(w.shape)}"
+            )
         if not torch.equal(g, w):
             diff = (g.double() - w.double()).abs()
-            where = [int(i) for i in torch.unravel_index(diff.nan_to_num(float("inf")).argmax(),
-                                                         diff.shape)]
-            raise AssertionError(f"{name} differs from {what}: max abs diff "
-                                 f"{diff.nan_to_num(float('inf')).max().item():.3e} at {where}")
+            where = [
+                int(i)
+                for i in torch.unravel_index(diff.nan_to_num(float("inf")).argmax(), diff.shape)
+            ]
+            raise AssertionError(
+                f"{name} differs from {what}: max abs diff "
+                f"{diff.nan_to_num(float('inf')).max().item():.3e} at {where}"
+            )
     return ", ".join(want)
 
 
@@ -221,8 +275,10 @@ def assert_close(got: Tensor, want: Tensor, rtol: float, name: str) -> None:
     tol = rtol * max(w.abs().max().item() if w.numel() else 0.0, 1.0)
     err = (g - w).abs().nan_to_num(float("inf")).max().item() if w.numel() else 0.0
     if g.shape != w.shape or err > tol:
-        raise AssertionError(f"{name}: max abs diff {err:.3e} > {tol:.3e} (shape "
-                             f"{list(g.shape)} against {list(w.shape)})")
+        raise AssertionError(
+            f"{name}: max abs diff {err:.3e} > {tol:.3e} (shape "
+            f"{list(g.shape)} against {list(w.shape)})"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -240,7 +296,7 @@ def functional_configs() -> Iterator[tuple[torch.dtype, str, bool, bool, torch.d
                     yield dtype, snapshot, decay, shared, I32 if decay != shared else I64
 
 
-COMPILED_CONFIGS = (            # each snapshot, both bank dtypes, decay and sharing both ways
+COMPILED_CONFIGS = (  # each snapshot, both bank dtypes, decay and sharing both ways
     (F32, "none", True, False, I64),
     (BF16, "fp8", False, True, I32),
     (F32, "int4", True, True, I32),
@@ -251,8 +307,9 @@ INPLACE_CONFIGS = ((F32, True, I64), (BF16, False, I32))
 INFERENCE_CONFIGS = ((F32, None, True, False, I64), (BF16, None, False, True, I32))
 
 
-def padded_comparison(a: dict, seed: int, device: torch.device, eager: bool,
-                      call: Callable[[dict], dict[str, Tensor]]) -> str:
+def padded_comparison(
+    a: dict, seed: int, device: torch.device, eager: bool, call: Callable[[dict], dict[str, Tensor]]
+) -> str:
     """``call`` on ``a`` with out-of-range indices mixed in (unchecked when ``eager``) and on the
     same indices padded with -1 instead; every result must be bitwise equal."""
     bad, padded, count = with_out_of_range(a, seed)
@@ -265,46 +322,71 @@ def padded_comparison(a: dict, seed: int, device: torch.device, eager: bool,
     return f"{count} out-of-range indices; {names} equal the padded call"
 
 
-def functional_case(fn: Callable, config: tuple, seed: int, device: torch.device,
-                    eager: bool, varlen: bool = False) -> Callable[[], str]:
+def functional_case(
+    fn: Callable, config: tuple, seed: int, device: torch.device, eager: bool, varlen: bool = False
+) -> Callable[[], str]:
     """``fn`` (``sdm`` when ``eager``, else a compiled ``sdm``) forward and backward on bad
     indices and on the padded ones."""
     dtype, snapshot, decay, shared, index_dtype = config
 
     def run() -> str:
-        a = make_inputs(dtype=dtype, decay=decay, shared=shared, index_dtype=index_dtype,
-                        seed=seed, varlen=varlen)
+        a = make_inputs(
+            dtype=dtype,
+            decay=decay,
+            shared=shared,
+            index_dtype=index_dtype,
+            seed=seed,
+            varlen=varlen,
+        )
         banks = len(CU_SEQLENS) - 1 if varlen else B
         g = torch.Generator().manual_seed(20_000 + seed)
         g_out = torch.randn(B, T, H, D, generator=g).to(device)
         g_bank = torch.randn(banks, H, S, D, generator=g).to(device)
-        return padded_comparison(a, seed, device, eager,
-                                 lambda x: forward_backward(fn, x, snapshot, g_out, g_bank))
+        return padded_comparison(
+            a, seed, device, eager, lambda x: forward_backward(fn, x, snapshot, g_out, g_bank)
+        )
+
     return run
 
 
-def inplace_case(fn: Callable, config: tuple, seed: int, device: torch.device,
-                 eager: bool, varlen: bool = False) -> Callable[[], str]:
+def inplace_case(
+    fn: Callable, config: tuple, seed: int, device: torch.device, eager: bool, varlen: bool = False
+) -> Callable[[], str]:
     """``fn`` (``sdm_inplace`` or a compiled one) on bad indices and on the padded ones."""
     dtype, decay, index_dtype = config
 
     def run() -> str:
-        a = make_inputs(dtype=dtype, decay=decay, shared=False, index_dtype=index_dtype,
-                        seed=seed, varlen=varlen)
+        a = make_inputs(
+            dtype=dtype,
+            decay=decay,
+            shared=False,
+            index_dtype=index_dtype,
+            seed=seed,
+            varlen=varlen,
+        )
         with torch.no_grad():
             return padded_comparison(a, seed, device, eager, lambda x: inplace(fn, x))
+
     return run
 
 
-def inference_case(config: tuple, seed: int, device: torch.device,
-                   varlen: bool = False) -> Callable[[], str]:
+def inference_case(
+    config: tuple, seed: int, device: torch.device, varlen: bool = False
+) -> Callable[[], str]:
     """The eager ``sdm`` without autograd on bad indices and on the padded ones."""
     dtype, _, decay, shared, index_dtype = config
 
     def run() -> str:
-        a = make_inputs(dtype=dtype, decay=decay, shared=shared, index_dtype=index_dtype,
-                        seed=seed, varlen=varlen)
+        a = make_inputs(
+            dtype=dtype,
+            decay=decay,
+            shared=shared,
+            index_dtype=index_dtype,
+            seed=seed,
+            varlen=varlen,
+        )
         return padded_comparison(a, seed, device, True, lambda x: inference(sdm, x))
+
     return run
 
 
@@ -321,8 +403,9 @@ def eager_check_rejects_bad_indices(device: torch.device) -> str:
     raise AssertionError("sparse_delta_memory accepted out-of-range indices in eager mode")
 
 
-def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
-               batch: int = 2) -> Callable[[], str]:
+def graph_case(
+    config: tuple, seed: int, varlen: bool = False, steps: int = 6, batch: int = 2
+) -> Callable[[], str]:
     """Decode steps of ``sparse_delta_memory_`` captured once with bad indices in the static
     inputs and replayed token by token, against eager steps on the padded indices. ``varlen``:
     the ``batch`` streams' tokens packed into one ``[1, batch, ...]`` step with ``cu_seqlens``
@@ -332,28 +415,37 @@ def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
     def token(src: Tensor | None, t: int) -> Tensor | None:
         if src is None:
             return None
-        one = src[:, t:t + 1]
+        one = src[:, t : t + 1]
         return one.transpose(0, 1) if varlen else one
 
     def run() -> str:
-        a = make_inputs(dtype=dtype, decay=decay, shared=False, index_dtype=index_dtype,
-                        seed=seed, batch=batch, steps=steps)
+        a = make_inputs(
+            dtype=dtype,
+            decay=decay,
+            shared=False,
+            index_dtype=index_dtype,
+            seed=seed,
+            batch=batch,
+            steps=steps,
+        )
         bad, padded, count = with_out_of_range(a, seed)
         bad, padded = to_device(bad, "cuda"), to_device(padded, "cuda")
         cu = torch.arange(batch + 1, dtype=index_dtype, device="cuda") if varlen else None
         tokens = [bad[k] for k in SEQUENCE]
-        static = [None if t is None else token(t, 0).clone(memory_format=torch.contiguous_format)
-                  for t in tokens]
+        static = [
+            None if t is None else token(t, 0).clone(memory_format=torch.contiguous_format)
+            for t in tokens
+        ]
         bank = bad["bank"].clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), unchecked():      # warm up off the graph
+        with torch.cuda.stream(side), unchecked():  # warm up off the graph
             scratch = bank.clone()
             for _ in range(2):
                 sdm_inplace(scratch, *static, cu_seqlens=cu)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):                   # capture skips the index check
+        with torch.cuda.graph(graph):  # capture skips the index check
             static_out = sdm_inplace(bank, *static, cu_seqlens=cu)
         eager_bank = padded["bank"].clone()
         for t in range(steps):
@@ -361,13 +453,18 @@ def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
                 if buf is not None:
                     buf.copy_(token(src, t))
             graph.replay()
-            want = sdm_inplace(eager_bank, *(token(padded[k], t) for k in SEQUENCE),
-                               cu_seqlens=cu)
+            want = sdm_inplace(eager_bank, *(token(padded[k], t) for k in SEQUENCE), cu_seqlens=cu)
             torch.cuda.synchronize()
-            assert_same({"out": static_out, "bank": bank}, {"out": want, "bank": eager_bank},
-                        f"eager step {t} on the padded indices")
-        return (f"{count} out-of-range indices over {steps} replays; out and bank equal "
-                f"eager steps on the padded indices")
+            assert_same(
+                {"out": static_out, "bank": bank},
+                {"out": want, "bank": eager_bank},
+                f"eager step {t} on the padded indices",
+            )
+        return (
+            f"{count} out-of-range indices over {steps} replays; out and bank equal "
+            f"eager steps on the padded indices"
+        )
+
     return run
 
 
@@ -377,8 +474,15 @@ def graph_case(config: tuple, seed: int, varlen: bool = False, steps: int = 6,
 # TOPK_LEAD's 7 rows leave the last program of every one of them partly masked but where a
 # program takes one row.
 TOPK_LEAD = (1, 7)
-TOPK_CONFIGS = (((4, 8), 3), ((3, 5, 2), 7), ((2, 3, 2, 2), 5), ((16,), 4), ((2, 3), 8),
-                ((256, 256), 8), ((1024, 4), 16))
+TOPK_CONFIGS = (
+    ((4, 8), 3),
+    ((3, 5, 2), 7),
+    ((2, 3, 2, 2), 5),
+    ((16,), 4),
+    ((2, 3), 8),
+    ((256, 256), 8),
+    ((1024, 4), 16),
+)
 
 
 def make_raw(factors: tuple[int, ...], dtype: torch.dtype, special: bool, seed: int) -> Tensor:
@@ -394,8 +498,14 @@ def make_raw(factors: tuple[int, ...], dtype: torch.dtype, special: bool, seed: 
     return torch.where(pick < 4, specials[pick.clamp(max=3)], raw).to(dtype)
 
 
-def topk_case(factors: tuple[int, ...], k: int, dtype: torch.dtype, special: bool, seed: int,
-              device: torch.device) -> Callable[[], str]:
+def topk_case(
+    factors: tuple[int, ...],
+    k: int,
+    dtype: torch.dtype,
+    special: bool,
+    seed: int,
+    device: torch.device,
+) -> Callable[[], str]:
     def run() -> str:
         raw = make_raw(factors, dtype, special, seed)
         kk = min(k, torch.Size(factors).numel())
@@ -409,15 +519,18 @@ def topk_case(factors: tuple[int, ...], k: int, dtype: torch.dtype, special: boo
         rval, rlin = reference.product_key_topk_bruteforce(raw, factors, k)
         rgrad = reference.product_key_topk_backward_reference(rlin, grad_val, factors).to(dtype)
         if not torch.equal(lin, rlin):
-            raise AssertionError(f"lin differs from the reference at "
-                                 f"{(lin != rlin).nonzero()[0].tolist()}")
+            raise AssertionError(
+                f"lin differs from the reference at {(lin != rlin).nonzero()[0].tolist()}"
+            )
         bits = torch.int16 if dtype == BF16 else torch.int32
         same = (val.view(bits) == rval.view(bits)) | (val.isnan() & rval.isnan())
         if not bool(same.all()):
-            raise AssertionError(f"val differs from the reference at "
-                                 f"{(~same).nonzero()[0].tolist()}")
+            raise AssertionError(
+                f"val differs from the reference at {(~same).nonzero()[0].tolist()}"
+            )
         assert_same({"grad": grad}, {"grad": rgrad}, "the reference")
         return "val, lin and the gradient equal the reference"
+
     return run
 
 
@@ -427,9 +540,9 @@ WY_CHUNKS = (1, 5, 16, 33, 128)
 def wy_case(c: int, seed: int, device: torch.device, n: int = 3) -> Callable[[], str]:
     def run() -> str:
         g = torch.Generator().manual_seed(seed)
-        A = torch.randn(n, c, c, generator=g) * (0.5 / c ** 0.5)
+        A = torch.randn(n, c, c, generator=g) * (0.5 / c**0.5)
         beta = torch.rand(n, c, generator=g) * 0.98 + 0.01
-        QK = torch.randn(n, c, c, generator=g) / c ** 0.5
+        QK = torch.randn(n, c, c, generator=g) / c**0.5
         dX, dQX = torch.randn(n, c, c, generator=g), torch.randn(n, c, c, generator=g)
         leaves = [t.to(device).requires_grad_() for t in (A, beta, QK)]
         with kernels(device):
@@ -438,10 +551,12 @@ def wy_case(c: int, seed: int, device: torch.device, n: int = 3) -> Callable[[],
         ref = [t.double().requires_grad_() for t in (A, beta, QK)]
         rX, rQX = reference.wy_solve_reference(*ref)
         rgrads = torch.autograd.grad((rX, rQX), ref, (dX.double(), dQX.double()))
-        for name, got, want in zip(("X", "QX", "dA", "dbeta", "dQK"), (X, QX, *grads),
-                                   (rX, rQX, *rgrads)):
+        for name, got, want in zip(
+            ("X", "QX", "dA", "dbeta", "dQK"), (X, QX, *grads), (rX, rQX, *rgrads)
+        ):
             assert_close(got, want, 1e-5, name)
         return "X, QX, dA, dbeta, dQK equal the float64 reference to 1e-5"
+
     return run
 
 
@@ -476,18 +591,27 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
     seeds = iter(range(1, 1000))
 
     def functional(part: str, fn: Callable, config: tuple, varlen: bool = False) -> None:
-        cases.run(part, describe(*config, varlen=varlen) + note,
-                  functional_case(fn, config, next(seeds), device, part == "eager", varlen))
+        cases.run(
+            part,
+            describe(*config, varlen=varlen) + note,
+            functional_case(fn, config, next(seeds), device, part == "eager", varlen),
+        )
 
     def in_place(part: str, fn: Callable, config: tuple, varlen: bool = False) -> None:
         dtype, decay, index_dtype = config
-        cases.run(part, "in place, " + describe(dtype, None, decay, False, index_dtype, varlen)
-                  + note, inplace_case(fn, config, next(seeds), device, part == "eager", varlen))
+        cases.run(
+            part,
+            "in place, " + describe(dtype, None, decay, False, index_dtype, varlen) + note,
+            inplace_case(fn, config, next(seeds), device, part == "eager", varlen),
+        )
 
     note = ""
     if "eager" in parts:
-        cases.run("eager", "sparse_delta_memory, index check on",
-                  lambda: eager_check_rejects_bad_indices(device))
+        cases.run(
+            "eager",
+            "sparse_delta_memory, index check on",
+            lambda: eager_check_rejects_bad_indices(device),
+        )
         for config in functional_configs():
             functional("eager", sdm, config)
         for config in VARLEN_CONFIGS:
@@ -495,10 +619,16 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
         for config in INPLACE_CONFIGS:
             in_place("eager", sdm_inplace, config)
         in_place("eager", sdm_inplace, INPLACE_CONFIGS[1], varlen=True)
-        for config, varlen in ((INFERENCE_CONFIGS[0], False), (INFERENCE_CONFIGS[1], False),
-                               (INFERENCE_CONFIGS[1], True)):
-            cases.run("eager", "inference forward, " + describe(*config, varlen=varlen),
-                      inference_case(config, next(seeds), device, varlen))
+        for config, varlen in (
+            (INFERENCE_CONFIGS[0], False),
+            (INFERENCE_CONFIGS[1], False),
+            (INFERENCE_CONFIGS[1], True),
+        ):
+            cases.run(
+                "eager",
+                "inference forward, " + describe(*config, varlen=varlen),
+                inference_case(config, next(seeds), device, varlen),
+            )
     if "compiled" in parts:
         compiled = torch.compile(sdm, fullgraph=True)
         compiled_inplace = torch.compile(sdm_inplace, fullgraph=True)
@@ -509,20 +639,26 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
         in_place("compiled", compiled_inplace, INPLACE_CONFIGS[0])
         note = ""
     if "graphs" in parts:
-        for config, varlen in ((INPLACE_CONFIGS[0], False), (INPLACE_CONFIGS[1], False),
-                               (INPLACE_CONFIGS[1], True)):
+        for config, varlen in (
+            (INPLACE_CONFIGS[0], False),
+            (INPLACE_CONFIGS[1], False),
+            (INPLACE_CONFIGS[1], True),
+        ):
             dtype, decay, index_dtype = config
             packed = ", packed with cu_seqlens [0, 1, 2]" if varlen else ""
-            cases.run("graphs", "decode steps, " + describe(dtype, None, decay, False,
-                                                            index_dtype) + packed,
-                      graph_case(config, next(seeds), varlen))
+            cases.run(
+                "graphs",
+                "decode steps, " + describe(dtype, None, decay, False, index_dtype) + packed,
+                graph_case(config, next(seeds), varlen),
+            )
     if "ops" in parts:
         for factors, k in TOPK_CONFIGS:
             for dtype, special in ((F32, True), (BF16, False)):
-                label = (f"product_key_topk factors {list(factors)} k {k} {DTYPE_NAMES[dtype]}"
-                         f"{' with ties, NaN, inf, -0' if special else ''}")
-                cases.run("ops", label, topk_case(factors, k, dtype, special, next(seeds),
-                                                  device))
+                label = (
+                    f"product_key_topk factors {list(factors)} k {k} {DTYPE_NAMES[dtype]}"
+                    f"{' with ties, NaN, inf, -0' if special else ''}"
+                )
+                cases.run("ops", label, topk_case(factors, k, dtype, special, next(seeds), device))
         for c in WY_CHUNKS:
             cases.run("ops", f"wy_solve C {c}", wy_case(c, next(seeds), device))
     return cases
@@ -530,12 +666,18 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python tools/sanitize.py",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda (default), or cpu: the kernels under Triton's interpreter")
-    p.add_argument("--parts", default=",".join(PARTS),
-                   help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    p = argparse.ArgumentParser(prog="python tools/sanitize.py", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default), or cpu: the kernels under Triton's interpreter",
+    )
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated, of {', '.join(PARTS)} (default: all)",
+    )
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(parts) - set(PARTS))
@@ -543,15 +685,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
     if args.device == "cuda":
         if not torch.cuda.is_available():
-            print("tools/sanitize.py: needs a CUDA GPU (or --device cpu, the Triton "
-                  "interpreter)", file=sys.stderr)
+            print(
+                "tools/sanitize.py: needs a CUDA GPU (or --device cpu, the Triton interpreter)",
+                file=sys.stderr,
+            )
             return 2
         if "graphs" in parts and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
-            print("tools/sanitize.py: CUDA graph capture needs PyTorch's caching allocator; run "
-                  "the graphs part without PYTORCH_NO_CUDA_MEMORY_CACHING=1", file=sys.stderr)
+            print(
+                "tools/sanitize.py: CUDA graph capture needs PyTorch's caching allocator; run "
+                "the graphs part without PYTORCH_NO_CUDA_MEMORY_CACHING=1",
+                file=sys.stderr,
+            )
             return 2
     else:
-        if not interpreting():      # triton is imported already: start again with it set
+        if not interpreting():  # triton is imported already: start again with it set
             env = dict(os.environ, TRITON_INTERPRET="1")
             os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
         if "graphs" in parts:
@@ -560,17 +707,24 @@ def main(argv: list[str] | None = None) -> int:
         # The interpreter computes inf - inf (top-k scores with infinities) in numpy, which warns.
         warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
     device = torch.device(args.device)
-    print(f"sanitize: torch {torch.__version__}, parts {','.join(parts)} on {device}; "
-          f"B={B} H={H} T={T} D={D} S={S} W={W} R={R} chunk {CHUNK}", flush=True)
+    print(
+        f"sanitize: torch {torch.__version__}, parts {','.join(parts)} on {device}; "
+        f"B={B} H={H} T={T} D={D} S={S} W={W} R={R} chunk {CHUNK}",
+        flush=True,
+    )
     cases = run_parts(parts, device)
     took = time.perf_counter() - cases.start
     if cases.failed:
-        print(f"sanitize: {cases.count} cases, {len(cases.failed)} FAILED ({took:.0f} s): "
-              f"{'; '.join(cases.failed)}")
+        print(
+            f"sanitize: {cases.count} cases, {len(cases.failed)} FAILED ({took:.0f} s): "
+            f"{'; '.join(cases.failed)}"
+        )
         return 1
-    print(f"sanitize: {cases.count} cases, all outputs equal the padded equivalent"
-          f"{' (product_key_topk and wy_solve: the reference)' if 'ops' in parts else ''}"
-          f" ({took:.0f} s)")
+    print(
+        f"sanitize: {cases.count} cases, all outputs equal the padded equivalent"
+        f"{' (product_key_topk and wy_solve: the reference)' if 'ops' in parts else ''}"
+        f" ({took:.0f} s)"
+    )
     return 0
 
 

@@ -51,7 +51,10 @@ def on_device(t: torch.Tensor):
     guard, so tensors on another GPU would otherwise reach kernels launched on the wrong one.
     A no-op when that device is already current, on the CPU, and while compiling (Inductor's
     generated code sets the device itself)."""
-    if (not torch.compiler.is_compiling() and t.is_cuda
-            and t.device.index != torch.cuda.current_device()):
+    if (
+        not torch.compiler.is_compiling()
+        and t.is_cuda
+        and t.device.index != torch.cuda.current_device()
+    ):
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()

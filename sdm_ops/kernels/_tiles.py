@@ -47,8 +47,7 @@ def bank_slots(raw, exists, S):
 
 
 @triton.jit
-def token_entries(idx, w, row, tok_ok, E: tl.constexpr, EP: tl.constexpr, S,
-                  NOMATCH: tl.constexpr):
+def token_entries(idx, w, row, tok_ok, E: tl.constexpr, EP: tl.constexpr, S, NOMATCH: tl.constexpr):
     """The E entries of one token (row ``row``) as [EP] vectors: slots (NOMATCH where invalid,
     so that they match nothing), float32 weights (0 where invalid) and the valid mask."""
     o = tl.arange(0, EP)

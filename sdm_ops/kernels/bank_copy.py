@@ -41,23 +41,31 @@ from torch.library import wrap_triton
 from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 
 BLOCK = 4096
-BOUNDED_BLOCK = 32768   # elements a step of a bounded copy's program (64-128 KB in flight an SM)
-UNWRITTEN = 2 ** 31 - 1  # ``first`` of a slot that no chunk of its stream writes
-_UNWRITTEN = tl.constexpr(UNWRITTEN)     # the same, for the kernels
+BOUNDED_BLOCK = 32768  # elements a step of a bounded copy's program (64-128 KB in flight an SM)
+UNWRITTEN = 2**31 - 1  # ``first`` of a slot that no chunk of its stream writes
+_UNWRITTEN = tl.constexpr(UNWRITTEN)  # the same, for the kernels
 _NUM_WARPS = 8
-_FIRST_SPLIT = 16        # programs a stream of ``first_writes``, each every 16th chunk
+_FIRST_SPLIT = 16  # programs a stream of ``first_writes``, each every 16th chunk
 
 
 @triton.jit
-def _bank_copy_kernel(src, dst, first, ROWS, SRC_BANK_STRIDE, D: tl.constexpr,
-                      BR: tl.constexpr, UNWRITTEN_ONLY: tl.constexpr):
+def _bank_copy_kernel(
+    src,
+    dst,
+    first,
+    ROWS,
+    SRC_BANK_STRIDE,
+    D: tl.constexpr,
+    BR: tl.constexpr,
+    UNWRITTEN_ONLY: tl.constexpr,
+):
     b = tl.program_id(1).to(tl.int64)
     step = tl.num_programs(0).to(tl.int64) * BR
     cols = tl.arange(0, D)
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     for k in range(0, tl.cdiv(tl.cdiv(ROWS, BR) - tl.program_id(0), tl.num_programs(0))):
         keep = r < ROWS
-        if UNWRITTEN_ONLY:      # launched one block a program (``bank_copy_unwritten``)
+        if UNWRITTEN_ONLY:  # launched one block a program (``bank_copy_unwritten``)
             keep = keep & (tl.load(first + b * ROWS + r, mask=keep, other=0) == _UNWRITTEN)
         offs = r[:, None] * D + cols[None, :]
         x = tl.load(src + b * SRC_BANK_STRIDE + offs, mask=keep[:, None])
@@ -66,9 +74,19 @@ def _bank_copy_kernel(src, dst, first, ROWS, SRC_BANK_STRIDE, D: tl.constexpr,
 
 
 @triton.jit
-def _first_writes_kernel(write_idx, chunks, seq_chunks, first, T, H, S,
-                         W: tl.constexpr, WP: tl.constexpr, C: tl.constexpr,
-                         VARLEN: tl.constexpr):
+def _first_writes_kernel(
+    write_idx,
+    chunks,
+    seq_chunks,
+    first,
+    T,
+    H,
+    S,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    C: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
     p = tl.program_id(0)
     h = p % H
     if VARLEN:
@@ -101,8 +119,16 @@ def _launch_copy(src: torch.Tensor, dst: torch.Tensor, first, programs: int) -> 
     grid = (min(blocks, programs) if programs > 0 else blocks, banks)
     shared = src.dim() == 3 or src.shape[0] == 1
     wrap_triton(_bank_copy_kernel)[grid](
-        src, dst, dst if first is None else first, rows, 0 if shared else rows * D,
-        D=D, BR=br, UNWRITTEN_ONLY=first is not None, num_warps=_NUM_WARPS)
+        src,
+        dst,
+        dst if first is None else first,
+        rows,
+        0 if shared else rows * D,
+        D=D,
+        BR=br,
+        UNWRITTEN_ONLY=first is not None,
+        num_warps=_NUM_WARPS,
+    )
 
 
 def bank_copy(src: torch.Tensor, dst: torch.Tensor, programs: int = 0) -> None:
@@ -117,8 +143,9 @@ def bank_copy_unwritten(src: torch.Tensor, dst: torch.Tensor, first: torch.Tenso
     _launch_copy(src, dst, first, 0)
 
 
-def first_writes(write_idx: torch.Tensor, chunk_size: int, chunks, seq_chunks,
-                 first: torch.Tensor) -> None:
+def first_writes(
+    write_idx: torch.Tensor, chunk_size: int, chunks, seq_chunks, first: torch.Tensor
+) -> None:
     """Fill ``first`` [P, S] int32 (see the module docstring) from write_idx [B, T, H, W]."""
     B, T, H, W = write_idx.shape
     P, S = first.shape
@@ -127,5 +154,16 @@ def first_writes(write_idx: torch.Tensor, chunk_size: int, chunks, seq_chunks,
         return
     varlen = chunks is not None
     wrap_triton(_first_writes_kernel)[(P, _FIRST_SPLIT)](
-        write_idx, chunks if varlen else write_idx, seq_chunks if varlen else write_idx, first,
-        T, H, S, W=W, WP=triton.next_power_of_2(W), C=chunk_size, VARLEN=varlen, num_warps=4)
+        write_idx,
+        chunks if varlen else write_idx,
+        seq_chunks if varlen else write_idx,
+        first,
+        T,
+        H,
+        S,
+        W=W,
+        WP=triton.next_power_of_2(W),
+        C=chunk_size,
+        VARLEN=varlen,
+        num_warps=4,
+    )

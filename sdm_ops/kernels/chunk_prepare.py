@@ -52,7 +52,7 @@ from ._tiles import dense_chunk, token_entries
 from .chunk_prepare_sparse import _sparse_launch, _strided_grid
 
 _NUM_WARPS = 4
-_TILE = 4096     # own entries x token entries compared at once
+_TILE = 4096  # own entries x token entries compared at once
 
 
 @triton.jit
@@ -83,11 +83,35 @@ def _token_decays(decay, row, ok, E: tl.constexpr, EP: tl.constexpr, HAS_DECAY: 
 
 @triton.jit
 def _prepare_chunk(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-    n, p, j0, N, T, H, S,
-    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    A,
+    QK,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    n,
+    p,
+    j0,
+    N,
+    T,
+    H,
+    S,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
+    C: tl.constexpr,
+    BJ: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     h = p % H
     if VARLEN:
@@ -95,13 +119,13 @@ def _prepare_chunk(
         count = tl.load(chunks + 2 * n + 1).to(tl.int32)
     else:
         tok0, count = dense_chunk(n, p, T, H, C)
-    jj = j0 + tl.arange(0, BJ)                   # own tokens (chunk-local)
+    jj = j0 + tl.arange(0, BJ)  # own tokens (chunk-local)
     ow = tl.arange(0, WP)
     orr = tl.arange(0, RP)
     own_ok = jj < count
     # Entry (b, t, h, j) of a [B, T, H, E] tensor lies at ((b * T + t) * H + h) * E + j.
-    tok_row = (tok0 + jj) * H + h                             # [BJ]
-    w_off = tok_row[:, None] * W + ow[None, :]                 # [BJ, WP]
+    tok_row = (tok0 + jj) * H + h  # [BJ]
+    w_off = tok_row[:, None] * W + ow[None, :]  # [BJ, WP]
     w_ok = own_ok[:, None] & (ow[None, :] < W)
     r_off = tok_row[:, None] * R + orr[None, :]
     r_ok = own_ok[:, None] & (orr[None, :] < R)
@@ -113,11 +137,11 @@ def _prepare_chunk(
     v_r = r_ok & (s_r >= 0) & (s_r < S)
     w_r = tl.where(v_r, tl.load(read_w + r_off, mask=v_r, other=0.0).to(tl.float32), 0.0)
     s_b = tl.where(v_b, s_b, -1)
-    s_r = tl.where(v_r, s_r, -2)                 # never equal to a padding write slot (-1)
+    s_r = tl.where(v_r, s_r, -2)  # never equal to a padding write slot (-1)
 
-    since = tl.full((BJ, WP), 1.0, tl.float32)   # Gamma_{t/j} on the own write entry's slot
-    upto = tl.full((BJ, WP), 1.0, tl.float32)    # prod_{t' <= min(t, j)} d_t'
-    total = tl.full((BJ, WP), 1.0, tl.float32)   # prod_{t' <= t} d_t'
+    since = tl.full((BJ, WP), 1.0, tl.float32)  # Gamma_{t/j} on the own write entry's slot
+    upto = tl.full((BJ, WP), 1.0, tl.float32)  # prod_{t' <= min(t, j)} d_t'
+    total = tl.full((BJ, WP), 1.0, tl.float32)  # prod_{t' <= t} d_t'
     rupto = tl.full((BJ, RP), 1.0, tl.float32)
     cnt = tl.zeros((BJ, WP), tl.int32)
     rcnt = tl.zeros((BJ, RP), tl.int32)
@@ -134,10 +158,10 @@ def _prepare_chunk(
         q_t, wq_t, vq_t = token_entries(read_idx, read_w, row_t, ok_t, R, RP, S, -4)
 
         # Own write entries against token t's write and read entries.
-        hit = s_b[:, :, None] == s_t[None, None, :]                      # [BJ, WP, WP]
-        d = _lastprod(tl.where(hit, d_t[None, None, :], 1.0), BJ, WP, WP)             # [BJ, WP]
+        hit = s_b[:, :, None] == s_t[None, None, :]  # [BJ, WP, WP]
+        d = _lastprod(tl.where(hit, d_t[None, None, :], 1.0), BJ, WP, WP)  # [BJ, WP]
         kw = tl.sum(tl.where(hit, w_t[None, None, :], 0.0), 2)
-        qhit = s_b[:, :, None] == q_t[None, None, :]                     # [BJ, WP, RP]
+        qhit = s_b[:, :, None] == q_t[None, None, :]  # [BJ, WP, RP]
         qw = tl.sum(tl.where(qhit, wq_t[None, None, :], 0.0), 2)
         after = t > jj[:, None]
         since = tl.where(after, since * d, since)
@@ -145,18 +169,19 @@ def _prepare_chunk(
         total = total * d
         earlier = (t * WP + ow)[None, None, :] < flat_b[:, :, None]
         cnt += tl.sum((hit & earlier).to(tl.int32), 2)
-        a_row = tl.sum(w_b * since * kw, 1)                              # [BJ]
+        a_row = tl.sum(w_b * since * kw, 1)  # [BJ]
         q_row = tl.sum(w_b * since * qw, 1)
         col_ok = jj < C
         tl.store(A + a_base + t * C + jj, tl.where(jj < t, a_row, 0.0), mask=col_ok)
         tl.store(QK + a_base + t * C + jj, tl.where(jj <= t, q_row, 0.0), mask=col_ok)
 
         # Own read entries: decay of their slot up to their token.
-        rhit = s_r[:, :, None] == s_t[None, None, :]                     # [BJ, RP, WP]
+        rhit = s_r[:, :, None] == s_t[None, None, :]  # [BJ, RP, WP]
         rd = _lastprod(tl.where(rhit, d_t[None, None, :], 1.0), BJ, RP, WP)
         rupto = tl.where(t > jj[:, None], rupto, rupto * rd)
-        rr = ((s_r[:, :, None] == q_t[None, None, :])
-              & ((t * RP + orr)[None, None, :] < flat_r[:, :, None]))
+        rr = (s_r[:, :, None] == q_t[None, None, :]) & (
+            (t * RP + orr)[None, None, :] < flat_r[:, :, None]
+        )
         rcnt += tl.sum(rr.to(tl.int32), 2)
 
     tl.store(gather_w + w_off, w_b * upto, mask=w_ok)
@@ -169,28 +194,105 @@ def _prepare_chunk(
 
 @triton.jit
 def _chunk_prepare_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count,
-    T, H, S, N, P,
-    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    A,
+    QK,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    shared_count,
+    T,
+    H,
+    S,
+    N,
+    P,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
+    C: tl.constexpr,
+    BJ: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
     SPARSE: tl.constexpr,
 ):
-    if SPARSE:   # the heavy chunks alone (count -1), usually none: see _strided_grid
+    if SPARSE:  # the heavy chunks alone (count -1), usually none: see _strided_grid
         step = tl.num_programs(0)
         for k in range(tl.cdiv(N * P, step)):
             chunk = tl.program_id(0) + k * step
             if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
                 for jb in range(C // BJ):
-                    _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK,
-                                   gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-                                   chunk % N, chunk // N, jb * BJ, N, T, H, S, W, R, WP, RP, C,
-                                   BJ, HAS_DECAY, VARLEN)
-    else:        # grid (N, P, C // BJ): a program takes BJ tokens of one chunk
-        _prepare_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w,
-                       gather_r, scatter_w, row_decay, rank, read_rank, tl.program_id(0),
-                       tl.program_id(1), tl.program_id(2) * BJ, N, T, H, S, W, R, WP, RP, C,
-                       BJ, HAS_DECAY, VARLEN)
+                    _prepare_chunk(
+                        write_idx,
+                        write_w,
+                        decay,
+                        read_idx,
+                        read_w,
+                        chunks,
+                        A,
+                        QK,
+                        gather_w,
+                        gather_r,
+                        scatter_w,
+                        row_decay,
+                        rank,
+                        read_rank,
+                        chunk % N,
+                        chunk // N,
+                        jb * BJ,
+                        N,
+                        T,
+                        H,
+                        S,
+                        W,
+                        R,
+                        WP,
+                        RP,
+                        C,
+                        BJ,
+                        HAS_DECAY,
+                        VARLEN,
+                    )
+    else:  # grid (N, P, C // BJ): a program takes BJ tokens of one chunk
+        _prepare_chunk(
+            write_idx,
+            write_w,
+            decay,
+            read_idx,
+            read_w,
+            chunks,
+            A,
+            QK,
+            gather_w,
+            gather_r,
+            scatter_w,
+            row_decay,
+            rank,
+            read_rank,
+            tl.program_id(0),
+            tl.program_id(1),
+            tl.program_id(2) * BJ,
+            N,
+            T,
+            H,
+            S,
+            W,
+            R,
+            WP,
+            RP,
+            C,
+            BJ,
+            HAS_DECAY,
+            VARLEN,
+        )
 
 
 def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
@@ -207,8 +309,24 @@ def chunk_grid(B: int, T: int, H: int, C: int, chunks) -> tuple[int, int]:
     return (triton.cdiv(T, C), B * H) if chunks is None else (chunks.shape[0], H)
 
 
-def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, chunk_size: int,
-                  chunks, A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank) -> None:
+def chunk_prepare(
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    decay,
+    bank_rows: int,
+    chunk_size: int,
+    chunks,
+    A,
+    QK,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+) -> None:
     """Launch phase 1; see the module docstring for the operands (all contiguous)."""
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
@@ -216,18 +334,44 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
     N, P = chunk_grid(B, T, H, C, chunks)
     if P * N == 0:
         return
-    common = (write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
-              write_idx if chunks is None else chunks,
-              A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
+    common = (
+        write_idx,
+        write_w,
+        write_w if decay is None else decay,
+        read_idx,
+        read_w,
+        write_idx if chunks is None else chunks,
+        A,
+        QK,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+    )
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = _sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags,
-                            write_idx.device)
+    shared = _sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
     grid = (N, P, C // bj) if shared is None else _strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_kernel)[grid](
-        *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
-        num_warps=_NUM_WARPS, **flags)
+        *common,
+        write_idx if shared is None else shared,
+        T,
+        H,
+        bank_rows,
+        N,
+        P,
+        W=W,
+        R=R,
+        WP=wp,
+        RP=rp,
+        C=C,
+        BJ=bj,
+        SPARSE=shared is not None,
+        num_warps=_NUM_WARPS,
+        **flags,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -261,12 +405,36 @@ def chunk_prepare(write_idx, write_w, read_idx, read_w, decay, bank_rows: int, c
 
 @triton.jit
 def _prepare_chunk_bwd(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w,
-    n, p, j0, N, T, H, S,
-    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    d_write_w,
+    d_decay,
+    d_read_w,
+    n,
+    p,
+    j0,
+    N,
+    T,
+    H,
+    S,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
+    C: tl.constexpr,
+    BJ: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     h = p % H
     if VARLEN:
@@ -277,10 +445,10 @@ def _prepare_chunk_bwd(
     E: tl.constexpr = BJ * WP
     ER: tl.constexpr = BJ * RP
     e = tl.arange(0, E)
-    te = j0 + e // WP                         # own write entry's token (chunk-local)
+    te = j0 + e // WP  # own write entry's token (chunk-local)
     we = e % WP
     er = tl.arange(0, ER)
-    ti = j0 + er // RP                        # own read entry's token
+    ti = j0 + er // RP  # own read entry's token
     wr = er % RP
     ow = tl.arange(0, WP)
     orr = tl.arange(0, RP)
@@ -300,7 +468,7 @@ def _prepare_chunk_bwd(
     a_base = (p.to(tl.int64) * N + n) * C * C
     # Forward walk.
     fwd = tl.full((E,), 1.0, tl.float32)
-    ub = tl.full((E,), 1.0, tl.float32)       # prod_{t < t_e} d_t
+    ub = tl.full((E,), 1.0, tl.float32)  # prod_{t < t_e} d_t
     d_self = tl.full((E,), 1.0, tl.float32)
     others = tl.full((E,), 1.0, tl.float32)
     g_acc = tl.zeros((E,), tl.float32)
@@ -318,12 +486,12 @@ def _prepare_chunk_bwd(
         q_t, wq_t, vq_t = token_entries(read_idx, read_w, row_t, ok_t, R, RP, S, -4)
         gr_t = tl.load(d_gather_r + row_t * R + orr, mask=vq_t, other=0.0).to(tl.float32)
 
-        hit = s_e[:, None] == s_t[None, :]                                # [E, WP]
+        hit = s_e[:, None] == s_t[None, :]  # [E, WP]
         dprod = _rowprod(tl.where(hit, d_t[None, :], 1.0), E, WP)
         kk = tl.sum(tl.where(hit, w_t[None, :], 0.0), 1)
         gs = tl.sum(tl.where(hit, (gw_t * w_t)[None, :], 0.0), 1)
         rds = tl.sum(tl.where(hit, rd_t[None, :], 0.0), 1)
-        qhit = s_e[:, None] == q_t[None, :]                               # [E, RP]
+        qhit = s_e[:, None] == q_t[None, :]  # [E, RP]
         qq = tl.sum(tl.where(qhit, wq_t[None, :], 0.0), 1)
         rg = tl.sum(tl.where(qhit, (gr_t * wq_t)[None, :], 0.0), 1)
         before = t < te
@@ -349,7 +517,7 @@ def _prepare_chunk_bwd(
     dd = ub * (g_acc + fwd * rd_sum)
     tile = a_base + cols[:, None] * C + cols[None, :]
     z = tl.dot(fwd_k, tl.load(dA + tile), input_precision="ieee")
-    z = tl.dot(fwd_q, tl.load(dQK + tile), z, input_precision="ieee")   # [E, C]
+    z = tl.dot(fwd_q, tl.load(dQK + tile), z, input_precision="ieee")  # [E, C]
 
     # Backward walk.
     back = tl.full((E,), 1.0, tl.float32)
@@ -378,7 +546,7 @@ def _prepare_chunk_bwd(
         row += tl.where(before, tl.load(dA + a_base + te * C + t, mask=before, other=0.0) * lw, 0.0)
         back = tl.where(before, back * dprod, back)
         # Own read entries.
-        rhit = s_r[:, None] == s_t[None, :]                               # [ER, WP]
+        rhit = s_r[:, None] == s_t[None, :]  # [ER, WP]
         rprod = _rowprod(tl.where(rhit, d_t[None, :], 1.0), ER, WP)
         rk = tl.sum(tl.where(rhit, w_t[None, :], 0.0), 1)
         upto_r = t <= ti
@@ -398,30 +566,108 @@ def _prepare_chunk_bwd(
 
 @triton.jit
 def _chunk_prepare_bwd_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w, shared_count,
-    T, H, S, N, P,
-    W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, BJ: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    d_write_w,
+    d_decay,
+    d_read_w,
+    shared_count,
+    T,
+    H,
+    S,
+    N,
+    P,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
+    C: tl.constexpr,
+    BJ: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
     SPARSE: tl.constexpr,
 ):
-    if SPARSE:   # the heavy chunks alone: see _chunk_prepare_kernel
+    if SPARSE:  # the heavy chunks alone: see _chunk_prepare_kernel
         step = tl.num_programs(0)
         for k in range(tl.cdiv(N * P, step)):
             chunk = tl.program_id(0) + k * step
             if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
                 for jb in range(C // BJ):
-                    _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA,
-                                       dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-                                       d_write_w, d_decay, d_read_w, chunk % N, chunk // N,
-                                       jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY,
-                                       VARLEN)
+                    _prepare_chunk_bwd(
+                        write_idx,
+                        write_w,
+                        decay,
+                        read_idx,
+                        read_w,
+                        chunks,
+                        dA,
+                        dQK,
+                        d_gather_w,
+                        d_gather_r,
+                        d_scatter_w,
+                        d_row_decay,
+                        d_write_w,
+                        d_decay,
+                        d_read_w,
+                        chunk % N,
+                        chunk // N,
+                        jb * BJ,
+                        N,
+                        T,
+                        H,
+                        S,
+                        W,
+                        R,
+                        WP,
+                        RP,
+                        C,
+                        BJ,
+                        HAS_DECAY,
+                        VARLEN,
+                    )
     else:
-        _prepare_chunk_bwd(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK,
-                           d_gather_w, d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay,
-                           d_read_w, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BJ,
-                           N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
+        _prepare_chunk_bwd(
+            write_idx,
+            write_w,
+            decay,
+            read_idx,
+            read_w,
+            chunks,
+            dA,
+            dQK,
+            d_gather_w,
+            d_gather_r,
+            d_scatter_w,
+            d_row_decay,
+            d_write_w,
+            d_decay,
+            d_read_w,
+            tl.program_id(0),
+            tl.program_id(1),
+            tl.program_id(2) * BJ,
+            N,
+            T,
+            H,
+            S,
+            W,
+            R,
+            WP,
+            RP,
+            C,
+            BJ,
+            HAS_DECAY,
+            VARLEN,
+        )
 
 
 def chunk_prepare_bwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
@@ -432,9 +678,24 @@ def chunk_prepare_bwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     return wp, rp, bj
 
 
-def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
-                      dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-                      d_write_w, d_decay, d_read_w, chunks=None) -> None:
+def chunk_prepare_bwd(
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    decay,
+    bank_rows: int,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    d_write_w,
+    d_decay,
+    d_read_w,
+    chunks=None,
+) -> None:
     """Launch the phase-1 backward (see above); dA, dQK [B, H, N, C, C] float32 and the
     per-entry gradients float32, all contiguous; d_decay is ignored without decay."""
     B, T, H, W = write_idx.shape
@@ -443,16 +704,42 @@ def chunk_prepare_bwd(write_idx, write_w, read_idx, read_w, decay, bank_rows: in
     N, P = chunk_grid(B, T, H, C, chunks)
     if P * N == 0:
         return
-    common = (write_idx, write_w, write_w if decay is None else decay, read_idx, read_w,
-              write_idx if chunks is None else chunks,
-              dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-              d_write_w, d_write_w if d_decay is None else d_decay, d_read_w)
+    common = (
+        write_idx,
+        write_w,
+        write_w if decay is None else decay,
+        read_idx,
+        read_w,
+        write_idx if chunks is None else chunks,
+        dA,
+        dQK,
+        d_gather_w,
+        d_gather_r,
+        d_scatter_w,
+        d_row_decay,
+        d_write_w,
+        d_write_w if d_decay is None else d_decay,
+        d_read_w,
+    )
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = _sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags,
-                            write_idx.device)
+    shared = _sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
     grid = (N, P, C // bj) if shared is None else _strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_bwd_kernel)[grid](
-        *common, write_idx if shared is None else shared, T, H, bank_rows, N, P,
-        W=W, R=R, WP=wp, RP=rp, C=C, BJ=bj, SPARSE=shared is not None,
-        num_warps=_NUM_WARPS, **flags)
+        *common,
+        write_idx if shared is None else shared,
+        T,
+        H,
+        bank_rows,
+        N,
+        P,
+        W=W,
+        R=R,
+        WP=wp,
+        RP=rp,
+        C=C,
+        BJ=bj,
+        SPARSE=shared is not None,
+        num_warps=_NUM_WARPS,
+        **flags,
+    )

@@ -46,15 +46,15 @@ from torch.library import wrap_triton
 from ._common import sm_count
 from ._tiles import dense_chunk
 
-COMPACT = 32           # MC: the pairs kernel's window, the largest bucket it takes (a power of 2)
+COMPACT = 32  # MC: the pairs kernel's window, the largest bucket it takes (a power of 2)
 SPARSE_ENTRIES = 2048  # the sparse path runs when a chunk has at most this many entry positions
 _SORT_WARPS = 4
-_PAIRS_WARPS = 4   # the one-window tier's, below chunk 128
+_PAIRS_WARPS = 4  # the one-window tier's, below chunk 128
 # A launch for the few chunks of one kind (the windowed tier's, the dense kernels' heavy ones
 # after the sparse path) runs at most this many chunk programs an SM, each walking every G-th
 # chunk.
 _STRIDED_PROGRAMS_PER_SM = 2
-_STRIDED_PROGRAMS: int | None = None     # a fixed bound instead (tests bound it to walk)
+_STRIDED_PROGRAMS: int | None = None  # a fixed bound instead (tests bound it to walk)
 # The chunks whose counts a windowed-tier program loads at once, as independent scalar loads
 # (the dense kernels load one at a time: a vector walk made their backward 8x slower when every
 # chunk is heavy).
@@ -72,8 +72,7 @@ def _strided_grid(N: int, P: int, device: torch.device) -> tuple[int, int]:
 
 
 @triton.jit
-def _tier_steps(shared_count, k0, N, P, LO: tl.constexpr, HI: tl.constexpr,
-                WALK: tl.constexpr):
+def _tier_steps(shared_count, k0, N, P, LO: tl.constexpr, HI: tl.constexpr, WALK: tl.constexpr):
     """Which of steps k0 .. k0 + WALK - 1 of this program's walk (every G-th chunk from its
     own, G the grid's width) are chunks of its tier (LO < count <= HI), as the bits of an
     int32: WALK scalar loads of their counts side by side (a vector and its reduction across
@@ -124,9 +123,22 @@ def _sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags
     # both tiers.
     for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
         grid = (N, P) if hi <= mc else _strided_grid(N, P, device)
-        pairs[grid](*common, shared, compact, T, H, bank_rows, N, P, **sizes, LO=lo, HI=hi,
-                    WALK=_WALK, **(dict(MH=max(16, mc // 2)) if backward else {}),
-                    num_warps=8 if C >= 128 or hi > mc else _PAIRS_WARPS)
+        pairs[grid](
+            *common,
+            shared,
+            compact,
+            T,
+            H,
+            bank_rows,
+            N,
+            P,
+            **sizes,
+            LO=lo,
+            HI=hi,
+            WALK=_WALK,
+            **(dict(MH=max(16, mc // 2)) if backward else {}),
+            num_warps=8 if C >= 128 or hi > mc else _PAIRS_WARPS,
+        )
     return shared
 
 
@@ -188,7 +200,7 @@ def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr, MC: tl.c
     the chunk's count of them, or -1 when a bucket holds more than MC entries (the chunk is
     heavy)."""
     HB: tl.constexpr = 30 - KB
-    NONE: tl.constexpr = (1 << HB) - 1                 # the invalid entries' bucket
+    NONE: tl.constexpr = (1 << HB) - 1  # the invalid entries' bucket
     i = tl.arange(0, NP)
     ok = exists & (raw >= 0) & (raw < S)
     bucket = tl.where(ok, _bucket(raw, HB), NONE)
@@ -213,8 +225,9 @@ def _publish(shared_count, compact, chunk, m, pos, shared, place, NP: tl.constex
 
 
 @triton.jit
-def _lone_entries(pos, shared, m, tok0, count, h, H, W: tl.constexpr, R: tl.constexpr,
-                  EM: tl.constexpr):
+def _lone_entries(
+    pos, shared, m, tok0, count, h, H, W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr
+):
     """Offsets of the sorted entries in [B, T, H, W] and [B, T, H, R] tensors, and which are
     existing lone write / read entries of a chunk that is not heavy (``m`` >= 0)."""
     tok, is_read, j = _position(pos, EM)
@@ -225,16 +238,39 @@ def _lone_entries(pos, shared, m, tok0, count, h, H, W: tl.constexpr, R: tl.cons
 
 @triton.jit
 def _chunk_sort_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
-    T, H, S,
-    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
-    MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    A,
+    QK,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    shared_count,
+    compact,
+    T,
+    H,
+    S,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    KB: tl.constexpr,
+    MC: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    if VARLEN:   # loaded here: see _tiles.bank_slots
+    if VARLEN:  # loaded here: see _tiles.bank_slots
         tok0 = tl.load(chunks + 2 * n)
         count = tl.load(chunks + 2 * n + 1).to(tl.int32)
     else:
@@ -242,9 +278,11 @@ def _chunk_sort_kernel(
     tok, is_read, j = _position(tl.arange(0, NP), EM)
     exists = (tok < count) & (j < tl.where(is_read, R, W))
     row = (tok0 + tok) * H + h
-    raw = tl.where(is_read,
-                   tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
-                   tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
+    raw = tl.where(
+        is_read,
+        tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
+        tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64),
+    )
     pos, valid, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
     _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
 
@@ -267,17 +305,40 @@ def _chunk_sort_kernel(
 
 @triton.jit
 def _chunk_sort_bwd_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w, shared_count, compact,
-    T, H, S,
-    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
-    MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    d_write_w,
+    d_decay,
+    d_read_w,
+    shared_count,
+    compact,
+    T,
+    H,
+    S,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    KB: tl.constexpr,
+    MC: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    if VARLEN:   # loaded here: see _tiles.bank_slots
+    if VARLEN:  # loaded here: see _tiles.bank_slots
         tok0 = tl.load(chunks + 2 * n)
         count = tl.load(chunks + 2 * n + 1).to(tl.int32)
     else:
@@ -285,9 +346,11 @@ def _chunk_sort_bwd_kernel(
     tok, is_read, j = _position(tl.arange(0, NP), EM)
     exists = (tok < count) & (j < tl.where(is_read, R, W))
     row = (tok0 + tok) * H + h
-    raw = tl.where(is_read,
-                   tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
-                   tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64))
+    raw = tl.where(
+        is_read,
+        tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
+        tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64),
+    )
     pos, valid, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
     _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
 
@@ -306,8 +369,9 @@ def _chunk_sort_bwd_kernel(
         w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
         drd = tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32)
         tl.store(d_decay + wo, gw * w + drd, mask=lone_w)
-    tl.store(d_read_w + ro, tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32),
-             mask=lone_r)
+    tl.store(
+        d_read_w + ro, tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32), mask=lone_r
+    )
 
 
 @triton.jit
@@ -367,30 +431,53 @@ def _window_size(slot, slot_after, more, size, KB: tl.constexpr, MC: tl.constexp
 
 
 @triton.jit
-def _window_at(read_idx, write_idx, base, s, m, tok0, h, H, W: tl.constexpr, R: tl.constexpr,
-               EM: tl.constexpr, KB: tl.constexpr, MC: tl.constexpr):
+def _window_at(
+    read_idx,
+    write_idx,
+    base,
+    s,
+    m,
+    tok0,
+    h,
+    H,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    KB: tl.constexpr,
+    MC: tl.constexpr,
+):
     """``_window_size`` of the window from entry s of a chunk's compact list of m entries
     (``base``: the list), its slots loaded here."""
     a = tl.arange(0, MC)
     inside = s + a < m
     more = s + MC < m
-    _, is_read, _, wo, ro = _entry_offsets(tl.load(base + s + a, mask=inside, other=0), tok0, h,
-                                           H, W, R, EM)
-    _, is_read_n, _, wo_n, ro_n = _entry_offsets(tl.load(base + s + MC, mask=more, other=0),
-                                                 tok0, h, H, W, R, EM)
-    slot = tl.where(is_read, tl.load(read_idx + ro, mask=inside & is_read, other=-1),
-                    tl.load(write_idx + wo, mask=inside & ~is_read, other=-1))
-    slot_n = tl.where(is_read_n, tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
-                      tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1))
+    _, is_read, _, wo, ro = _entry_offsets(
+        tl.load(base + s + a, mask=inside, other=0), tok0, h, H, W, R, EM
+    )
+    _, is_read_n, _, wo_n, ro_n = _entry_offsets(
+        tl.load(base + s + MC, mask=more, other=0), tok0, h, H, W, R, EM
+    )
+    slot = tl.where(
+        is_read,
+        tl.load(read_idx + ro, mask=inside & is_read, other=-1),
+        tl.load(write_idx + wo, mask=inside & ~is_read, other=-1),
+    )
+    slot_n = tl.where(
+        is_read_n,
+        tl.load(read_idx + ro_n, mask=more & is_read_n, other=-1),
+        tl.load(write_idx + wo_n, mask=more & ~is_read_n, other=-1),
+    )
     return _window_size(slot, slot_n, more, tl.minimum(m - s, MC), KB, MC)
 
 
 @triton.jit
-def _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC: tl.constexpr,
-             HAS_DECAY: tl.constexpr):
+def _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC: tl.constexpr, HAS_DECAY: tl.constexpr):
     """(w, d) of a window's entries: the write or read weight, and a write entry's decay."""
-    w = tl.where(ok_r, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32),
-                 tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32))
+    w = tl.where(
+        ok_r,
+        tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32),
+        tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32),
+    )
     if HAS_DECAY:
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
     else:
@@ -399,10 +486,35 @@ def _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC: tl.constexpr,
 
 
 @triton.jit
-def _pairs_window(write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
-                  row_decay, rank, read_rank, compact, chunk, s, size, tok0, h, H, a_acc, q_acc,
-                  W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
-                  MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr):
+def _pairs_window(
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    compact,
+    chunk,
+    s,
+    size,
+    tok0,
+    h,
+    H,
+    a_acc,
+    q_acc,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    MC: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+):
     """The window of ``size`` entries of the compact list from entry s (``_window_size``): stores
     its entries' weights, decays and ranks; returns A and QK ([C, C] each) with its terms added
     to ``a_acc`` and ``q_acc``."""
@@ -410,8 +522,11 @@ def _pairs_window(write_idx, write_w, decay, read_idx, read_w, gather_w, gather_
     ok = a < size
     pos = tl.load(compact + chunk.to(tl.int64) * NP + s + a, mask=ok, other=0)
     tok, is_read, j, wo, ro = _entry_offsets(pos, tok0, h, H, W, R, EM)
-    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok & is_read, other=-1).to(tl.int64),
-                    tl.load(write_idx + wo, mask=ok & ~is_read, other=-1).to(tl.int64))
+    slot = tl.where(
+        is_read,
+        tl.load(read_idx + ro, mask=ok & is_read, other=-1).to(tl.int64),
+        tl.load(write_idx + wo, mask=ok & ~is_read, other=-1).to(tl.int64),
+    )
     ok_w = ok & ~is_read
     ok_r = ok & is_read
     w, d = _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC, HAS_DECAY)
@@ -429,46 +544,127 @@ def _pairs_window(write_idx, write_w, decay, read_idx, read_w, gather_w, gather_
     # A and QK: the pairs' terms summed per (token, token) by one-hot dots.
     pm = tl.where(_pairs(same, lower, tok, is_read), w[:, None] * w[None, :] * gam, 0.0)
     cols = tl.arange(0, C)
-    at = (tok[:, None] == cols[None, :]) & ok[:, None]                          # [MC, C]
-    by_col = tl.dot(pm, at.to(tl.float32), input_precision="ieee")             # [MC, C]
-    a_acc = tl.dot(tl.trans((at & ~is_read[:, None]).to(tl.float32)), by_col, a_acc,
-                   input_precision="ieee")
-    q_acc = tl.dot(tl.trans((at & is_read[:, None]).to(tl.float32)), by_col, q_acc,
-                   input_precision="ieee")
+    at = (tok[:, None] == cols[None, :]) & ok[:, None]  # [MC, C]
+    by_col = tl.dot(pm, at.to(tl.float32), input_precision="ieee")  # [MC, C]
+    a_acc = tl.dot(
+        tl.trans((at & ~is_read[:, None]).to(tl.float32)), by_col, a_acc, input_precision="ieee"
+    )
+    q_acc = tl.dot(
+        tl.trans((at & is_read[:, None]).to(tl.float32)), by_col, q_acc, input_precision="ieee"
+    )
     return a_acc, q_acc
 
 
 @triton.jit
-def _pairs_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w, gather_r,
-                 scatter_w, row_decay, rank, read_rank, shared_count, compact, chunk, T, H, N, P,
-                 W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
-                 KB: tl.constexpr, MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-                 C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr):
+def _pairs_chunk(
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    A,
+    QK,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    shared_count,
+    compact,
+    chunk,
+    T,
+    H,
+    N,
+    P,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    KB: tl.constexpr,
+    MC: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
     """Chunk ``chunk`` of the pairs kernel, if it is its tier's (LO < shared entries <= HI)."""
     m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
-    if (m > LO) & (m <= HI):   # not past the last chunk, nor another tier's, nor heavy (-1)
+    if (m > LO) & (m <= HI):  # not past the last chunk, nor another tier's, nor heavy (-1)
         n = chunk % N
         h = (chunk // N) % H
-        if VARLEN:   # loaded here: see _tiles.bank_slots
+        if VARLEN:  # loaded here: see _tiles.bank_slots
             tok0 = tl.load(chunks + 2 * n)
         else:
             tok0, _ = dense_chunk(n, chunk // N, T, H, C)
         a_acc = tl.zeros((C, C), tl.float32)
         q_acc = tl.zeros((C, C), tl.float32)
-        if HI <= MC:   # one window (a second window size, as the backward has, spills here)
+        if HI <= MC:  # one window (a second window size, as the backward has, spills here)
             a_acc, q_acc = _pairs_window(
-                write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
-                row_decay, rank, read_rank, compact, chunk, 0, m, tok0, h, H, a_acc, q_acc,
-                W, R, EM, NP, MC, C, HAS_DECAY)
-        else:          # windows in list order, their terms summed into A and QK in that order
+                write_idx,
+                write_w,
+                decay,
+                read_idx,
+                read_w,
+                gather_w,
+                gather_r,
+                scatter_w,
+                row_decay,
+                rank,
+                read_rank,
+                compact,
+                chunk,
+                0,
+                m,
+                tok0,
+                h,
+                H,
+                a_acc,
+                q_acc,
+                W,
+                R,
+                EM,
+                NP,
+                MC,
+                C,
+                HAS_DECAY,
+            )
+        else:  # windows in list order, their terms summed into A and QK in that order
             base = compact + chunk.to(tl.int64) * NP
             s = 0
             while s < m:
                 size = _window_at(read_idx, write_idx, base, s, m, tok0, h, H, W, R, EM, KB, MC)
                 a_acc, q_acc = _pairs_window(
-                    write_idx, write_w, decay, read_idx, read_w, gather_w, gather_r, scatter_w,
-                    row_decay, rank, read_rank, compact, chunk, s, size, tok0, h, H, a_acc,
-                    q_acc, W, R, EM, NP, MC, C, HAS_DECAY)
+                    write_idx,
+                    write_w,
+                    decay,
+                    read_idx,
+                    read_w,
+                    gather_w,
+                    gather_r,
+                    scatter_w,
+                    row_decay,
+                    rank,
+                    read_rank,
+                    compact,
+                    chunk,
+                    s,
+                    size,
+                    tok0,
+                    h,
+                    H,
+                    a_acc,
+                    q_acc,
+                    W,
+                    R,
+                    EM,
+                    NP,
+                    MC,
+                    C,
+                    HAS_DECAY,
+                )
                 s += tl.maximum(size, 1)
         cols = tl.arange(0, C)
         tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
@@ -478,27 +674,104 @@ def _pairs_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gat
 
 @triton.jit
 def _chunk_pairs_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank, shared_count, compact,
-    T, H, S, N, P,
-    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
-    MC: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, C: tl.constexpr,
-    HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    A,
+    QK,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    shared_count,
+    compact,
+    T,
+    H,
+    S,
+    N,
+    P,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    KB: tl.constexpr,
+    MC: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
+    WALK: tl.constexpr,
 ):
-    args = (write_idx, write_w, decay, read_idx, read_w, chunks, A, QK, gather_w, gather_r,
-            scatter_w, row_decay, rank, read_rank, shared_count, compact)
-    if HI <= MC:   # the one-window tier: grid (N, P), one program a chunk
-        _pairs_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
-                     W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
-    else:          # the windowed tier, for the rare chunks of more than MC: see _strided_grid
+    args = (
+        write_idx,
+        write_w,
+        decay,
+        read_idx,
+        read_w,
+        chunks,
+        A,
+        QK,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+        shared_count,
+        compact,
+    )
+    if HI <= MC:  # the one-window tier: grid (N, P), one program a chunk
+        _pairs_chunk(
+            *args,
+            tl.program_id(1) * N + tl.program_id(0),
+            T,
+            H,
+            N,
+            P,
+            W,
+            R,
+            EM,
+            NP,
+            KB,
+            MC,
+            LO,
+            HI,
+            C,
+            HAS_DECAY,
+            VARLEN,
+        )
+    else:  # the windowed tier, for the rare chunks of more than MC: see _strided_grid
         g = tl.num_programs(0)
         for k0 in range(0, tl.cdiv(N * P, g), WALK):
             bits = _tier_steps(shared_count, k0, N, P, LO, HI, WALK)
             if bits != 0:
                 for j in range(WALK):
                     if ((bits >> j) & 1) != 0:
-                        _pairs_chunk(*args, tl.program_id(0) + (k0 + j) * g, T, H, N, P,
-                                     W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
+                        _pairs_chunk(
+                            *args,
+                            tl.program_id(0) + (k0 + j) * g,
+                            T,
+                            H,
+                            N,
+                            P,
+                            W,
+                            R,
+                            EM,
+                            NP,
+                            KB,
+                            MC,
+                            LO,
+                            HI,
+                            C,
+                            HAS_DECAY,
+                            VARLEN,
+                        )
 
 
 # The pairs' backward, in the compact list's terms (x, a, c on one slot; c a write group's first
@@ -517,19 +790,47 @@ def _chunk_pairs_kernel(
 
 
 @triton.jit
-def _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_gather_w,
-                      d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
-                      compact, chunk, s, size, tok0, h, H,
-                      W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
-                      MC: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr):
+def _pairs_bwd_window(
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    d_write_w,
+    d_decay,
+    d_read_w,
+    compact,
+    chunk,
+    s,
+    size,
+    tok0,
+    h,
+    H,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    MC: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+):
     """The window of ``size`` entries of the compact list from entry s (``_window_size``) in
     the pairs' backward: stores its entries' gradients."""
     a = tl.arange(0, MC)
     ok = a < size
     pos = tl.load(compact + chunk.to(tl.int64) * NP + s + a, mask=ok, other=0)
     tok, is_read, j, wo, ro = _entry_offsets(pos, tok0, h, H, W, R, EM)
-    slot = tl.where(is_read, tl.load(read_idx + ro, mask=ok & is_read, other=-1).to(tl.int64),
-                    tl.load(write_idx + wo, mask=ok & ~is_read, other=-1).to(tl.int64))
+    slot = tl.where(
+        is_read,
+        tl.load(read_idx + ro, mask=ok & is_read, other=-1).to(tl.int64),
+        tl.load(write_idx + wo, mask=ok & ~is_read, other=-1).to(tl.int64),
+    )
     ok_w = ok & ~is_read
     ok_r = ok & is_read
     w, d = _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC, HAS_DECAY)
@@ -540,10 +841,14 @@ def _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_ga
     same, lower, group, dg, first, gam = _runs(slot, tok, is_read, ok, d, MC)
     pair = _pairs(same, lower, tok, is_read)
     at = chunk.to(tl.int64) * C * C + tok[:, None] * C + tok[None, :]
-    g = tl.where(is_read[:, None], tl.load(dQK + at, mask=pair & is_read[:, None], other=0.0),
-                 tl.load(dA + at, mask=pair & ~is_read[:, None], other=0.0))
-    dw, dd = _pair_grads(same, lower, group, dg, first, gam, pair, g, w, d, is_read,
-                         dgw, dsw, drd, dgr, MC)
+    g = tl.where(
+        is_read[:, None],
+        tl.load(dQK + at, mask=pair & is_read[:, None], other=0.0),
+        tl.load(dA + at, mask=pair & ~is_read[:, None], other=0.0),
+    )
+    dw, dd = _pair_grads(
+        same, lower, group, dg, first, gam, pair, g, w, d, is_read, dgw, dsw, drd, dgr, MC
+    )
     tl.store(d_write_w + wo, dw, mask=ok_w)
     if HAS_DECAY:
         tl.store(d_decay + wo, dd, mask=ok_w)
@@ -551,57 +856,213 @@ def _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, dA, dQK, d_ga
 
 
 @triton.jit
-def _pairs_bwd_chunk(write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK, d_gather_w,
-                     d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w,
-                     shared_count, compact, chunk, T, H, N, P,
-                     W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr,
-                     KB: tl.constexpr, MC: tl.constexpr, MH: tl.constexpr, LO: tl.constexpr,
-                     HI: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr,
-                     VARLEN: tl.constexpr):
+def _pairs_bwd_chunk(
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    d_write_w,
+    d_decay,
+    d_read_w,
+    shared_count,
+    compact,
+    chunk,
+    T,
+    H,
+    N,
+    P,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    KB: tl.constexpr,
+    MC: tl.constexpr,
+    MH: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
     """Chunk ``chunk`` of the pairs' backward kernel, if it is its tier's."""
     m = tl.load(shared_count + chunk, mask=chunk < N * P, other=LO)
     if (m > LO) & (m <= HI):
         n = chunk % N
         h = (chunk // N) % H
-        if VARLEN:   # loaded here: see _tiles.bank_slots
+        if VARLEN:  # loaded here: see _tiles.bank_slots
             tok0 = tl.load(chunks + 2 * n)
         else:
             tok0, _ = dense_chunk(n, chunk // N, T, H, C)
-        grads = (dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay,
-                 d_read_w, compact, chunk)
-        if HI <= MC:   # one window, of MH entries where they hold the chunk's
+        grads = (
+            dA,
+            dQK,
+            d_gather_w,
+            d_gather_r,
+            d_scatter_w,
+            d_row_decay,
+            d_write_w,
+            d_decay,
+            d_read_w,
+            compact,
+            chunk,
+        )
+        if HI <= MC:  # one window, of MH entries where they hold the chunk's
             if m <= MH:
-                _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, *grads, 0, m,
-                                  tok0, h, H, W, R, EM, NP, MH, C, HAS_DECAY)
+                _pairs_bwd_window(
+                    write_idx,
+                    write_w,
+                    decay,
+                    read_idx,
+                    read_w,
+                    *grads,
+                    0,
+                    m,
+                    tok0,
+                    h,
+                    H,
+                    W,
+                    R,
+                    EM,
+                    NP,
+                    MH,
+                    C,
+                    HAS_DECAY,
+                )
             else:
-                _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, *grads, 0, m,
-                                  tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
-        else:          # the forward's windows (see _pairs_chunk)
+                _pairs_bwd_window(
+                    write_idx,
+                    write_w,
+                    decay,
+                    read_idx,
+                    read_w,
+                    *grads,
+                    0,
+                    m,
+                    tok0,
+                    h,
+                    H,
+                    W,
+                    R,
+                    EM,
+                    NP,
+                    MC,
+                    C,
+                    HAS_DECAY,
+                )
+        else:  # the forward's windows (see _pairs_chunk)
             base = compact + chunk.to(tl.int64) * NP
             s = 0
             while s < m:
                 size = _window_at(read_idx, write_idx, base, s, m, tok0, h, H, W, R, EM, KB, MC)
-                _pairs_bwd_window(write_idx, write_w, decay, read_idx, read_w, *grads, s, size,
-                                  tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
+                _pairs_bwd_window(
+                    write_idx,
+                    write_w,
+                    decay,
+                    read_idx,
+                    read_w,
+                    *grads,
+                    s,
+                    size,
+                    tok0,
+                    h,
+                    H,
+                    W,
+                    R,
+                    EM,
+                    NP,
+                    MC,
+                    C,
+                    HAS_DECAY,
+                )
                 s += tl.maximum(size, 1)
 
 
 @triton.jit
 def _chunk_pairs_bwd_kernel(
-    write_idx, write_w, decay, read_idx, read_w, chunks,
-    dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-    d_write_w, d_decay, d_read_w, shared_count, compact,
-    T, H, S, N, P,
-    W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr, NP: tl.constexpr, KB: tl.constexpr,
-    MC: tl.constexpr, MH: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-    C: tl.constexpr, HAS_DECAY: tl.constexpr, VARLEN: tl.constexpr, WALK: tl.constexpr,
+    write_idx,
+    write_w,
+    decay,
+    read_idx,
+    read_w,
+    chunks,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    d_write_w,
+    d_decay,
+    d_read_w,
+    shared_count,
+    compact,
+    T,
+    H,
+    S,
+    N,
+    P,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    KB: tl.constexpr,
+    MC: tl.constexpr,
+    MH: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    C: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    VARLEN: tl.constexpr,
+    WALK: tl.constexpr,
 ):
-    args = (write_idx, write_w, decay, read_idx, read_w, chunks, dA, dQK, d_gather_w,
-            d_gather_r, d_scatter_w, d_row_decay, d_write_w, d_decay, d_read_w, shared_count,
-            compact)
-    if HI <= MC:   # the tiers' grids: see _chunk_pairs_kernel
-        _pairs_bwd_chunk(*args, tl.program_id(1) * N + tl.program_id(0), T, H, N, P,
-                         W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY, VARLEN)
+    args = (
+        write_idx,
+        write_w,
+        decay,
+        read_idx,
+        read_w,
+        chunks,
+        dA,
+        dQK,
+        d_gather_w,
+        d_gather_r,
+        d_scatter_w,
+        d_row_decay,
+        d_write_w,
+        d_decay,
+        d_read_w,
+        shared_count,
+        compact,
+    )
+    if HI <= MC:  # the tiers' grids: see _chunk_pairs_kernel
+        _pairs_bwd_chunk(
+            *args,
+            tl.program_id(1) * N + tl.program_id(0),
+            T,
+            H,
+            N,
+            P,
+            W,
+            R,
+            EM,
+            NP,
+            KB,
+            MC,
+            MH,
+            LO,
+            HI,
+            C,
+            HAS_DECAY,
+            VARLEN,
+        )
     else:
         g = tl.num_programs(0)
         for k0 in range(0, tl.cdiv(N * P, g), WALK):
@@ -609,14 +1070,32 @@ def _chunk_pairs_bwd_kernel(
             if bits != 0:
                 for j in range(WALK):
                     if ((bits >> j) & 1) != 0:
-                        _pairs_bwd_chunk(*args, tl.program_id(0) + (k0 + j) * g, T, H, N,
-                                         P, W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY,
-                                         VARLEN)
+                        _pairs_bwd_chunk(
+                            *args,
+                            tl.program_id(0) + (k0 + j) * g,
+                            T,
+                            H,
+                            N,
+                            P,
+                            W,
+                            R,
+                            EM,
+                            NP,
+                            KB,
+                            MC,
+                            MH,
+                            LO,
+                            HI,
+                            C,
+                            HAS_DECAY,
+                            VARLEN,
+                        )
 
 
 @triton.jit
-def _pair_grads(same, lower, group, dg, first, gam, pair, g, w, d, is_read,
-                dgw, dsw, drd, dgr, MC: tl.constexpr):
+def _pair_grads(
+    same, lower, group, dg, first, gam, pair, g, w, d, is_read, dgw, dsw, drd, dgr, MC: tl.constexpr
+):
     """(dw, d_decay) of the compact list's entries; see the formulas above."""
     a = tl.arange(0, MC)
     upto = same & (a[None, :] <= a[:, None])
@@ -636,7 +1115,7 @@ def _pair_grads(same, lower, group, dg, first, gam, pair, g, w, d, is_read,
     t_gather = tl.sum(tl.where(upto, y[:, None] * gam, 0.0), 0)
     t_scatter = tl.sum(z[None, :] * gx, 1)
     q = tl.where(pair, g * w[:, None] * w[None, :], 0.0)
-    nm = tl.dot(q, tl.trans(gx), input_precision="ieee")                   # [a, c]
+    nm = tl.dot(q, tl.trans(gx), input_precision="ieee")  # [a, c]
     t_pairs = tl.sum(tl.where(upto, gam * nm, 0.0), 0)
     dd = pexcl * t_gather + sexcl * t_scatter + on_slot * pexcl * sexcl + t_pairs
     group_dd = tl.sum(tl.where(group & first[None, :], dd[None, :], 0.0), 1)

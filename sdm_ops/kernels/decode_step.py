@@ -32,10 +32,26 @@ _NUM_WARPS = 1
 
 
 @triton.jit
-def _decode_step_kernel(bank, v, beta, write_idx, write_w, read_idx, read_w, decay, out, S,
-                        D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr,
-                        RP: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr):
-    p = tl.program_id(0)             # stream b * H + h, and also its token's row
+def _decode_step_kernel(
+    bank,
+    v,
+    beta,
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    decay,
+    out,
+    S,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
+    BD: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+):
+    p = tl.program_id(0)  # stream b * H + h, and also its token's row
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
     bank_p = bank + p.to(tl.int64) * S * D
     a = tl.arange(0, WP)
@@ -46,14 +62,14 @@ def _decode_step_kernel(bank, v, beta, write_idx, write_w, read_idx, read_w, dec
         dec = tl.where(ok, tl.load(decay + went, mask=ok, other=1.0).to(tl.float32), 1.0)
     else:
         dec = tl.full((WP,), 1.0, tl.float32)
-    same = (s[:, None] == s[None, :]) & ok[:, None] & ok[None, :]            # [WP, WP]
-    k_a = tl.sum(tl.where(same, w[None, :], 0.0), 1)                         # K[s_a]
+    same = (s[:, None] == s[None, :]) & ok[:, None] & ok[None, :]  # [WP, WP]
+    k_a = tl.sum(tl.where(same, w[None, :], 0.0), 1)  # K[s_a]
     first = ok & (tl.sum((same & (a[None, :] < a[:, None])).to(tl.int32), 1) == 0)
     r = tl.arange(0, RP)
     rent = p * R + r
     q, qok = bank_slots(tl.load(read_idx + rent, mask=r < R, other=-1), r < R, S)
     rw = tl.where(qok, tl.load(read_w + rent, mask=qok, other=0.0).to(tl.float32), 0.0)
-    hit = (q[:, None] == s[None, :]) & qok[:, None] & ok[None, :]            # [RP, WP]
+    hit = (q[:, None] == s[None, :]) & qok[:, None] & ok[None, :]  # [RP, WP]
     k_r = tl.sum(tl.where(hit, w[None, :], 0.0), 1)
     # d[s_a] and d[s_r]: each write entry's decay multiplied in, entry by entry.
     d_a = tl.full((WP,), 1.0, tl.float32)
@@ -67,15 +83,16 @@ def _decode_step_kernel(bank, v, beta, write_idx, write_w, read_idx, read_w, dec
         d_r = tl.where(qok & ok_b & (q == s_b), d_r * dec_b, d_r)
 
     ptr = bank_p + s[:, None] * D + cols[None, :]
-    rows = tl.load(ptr, mask=ok[:, None], other=0.0).to(tl.float32)          # [WP, BD]
-    qrows = tl.load(bank_p + q[:, None] * D + cols[None, :], mask=qok[:, None],
-                    other=0.0).to(tl.float32)
+    rows = tl.load(ptr, mask=ok[:, None], other=0.0).to(tl.float32)  # [WP, BD]
+    qrows = tl.load(bank_p + q[:, None] * D + cols[None, :], mask=qok[:, None], other=0.0).to(
+        tl.float32
+    )
     vv = tl.load(v + p * D + cols).to(tl.float32)
     bb = tl.load(beta + p).to(tl.float32)
-    u = bb * (vv - tl.sum((w * d_a)[:, None] * rows, 0))                     # [BD]
+    u = bb * (vv - tl.sum((w * d_a)[:, None] * rows, 0))  # [BD]
     o = tl.sum(rw[:, None] * (d_r[:, None] * qrows + k_r[:, None] * u[None, :]), 0)
     tl.store(out + p * D + cols, o.to(out.dtype.element_ty))
-    tl.debug_barrier()          # every gather precedes the first write
+    tl.debug_barrier()  # every gather precedes the first write
     new = d_a[:, None] * rows + k_a[:, None] * u[None, :]
     tl.store(ptr, new.to(bank.dtype.element_ty), mask=first[:, None])
 
@@ -88,8 +105,22 @@ def decode_step(bank, v, beta, write_idx, write_w, read_idx, read_w, decay, out)
     if B * H == 0:
         return
     wrap_triton(_decode_step_kernel)[(B * H, D // BLOCK_D)](
-        bank, v, beta, write_idx, write_w, read_idx, read_w,
-        write_w if decay is None else decay, out, bank.shape[-2],
-        D=D, W=W, R=R, WP=triton.next_power_of_2(max(W, 1)),
-        RP=triton.next_power_of_2(max(R, 1)), BD=BLOCK_D, HAS_DECAY=decay is not None,
-        num_warps=_NUM_WARPS)
+        bank,
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        write_w if decay is None else decay,
+        out,
+        bank.shape[-2],
+        D=D,
+        W=W,
+        R=R,
+        WP=triton.next_power_of_2(max(W, 1)),
+        RP=triton.next_power_of_2(max(R, 1)),
+        BD=BLOCK_D,
+        HAS_DECAY=decay is not None,
+        num_warps=_NUM_WARPS,
+    )

@@ -136,6 +136,7 @@ def _log2(x: int) -> int:
 # Key packing
 # ---------------------------------------------------------------------------
 
+
 @triton.jit
 def _key32(x):
     """Order-preserving int32 of float32 ``x``: NaN as -inf, -0 as +0."""
@@ -234,6 +235,7 @@ def _take(src, idx, L: tl.constexpr):
 # Forward
 # ---------------------------------------------------------------------------
 
+
 @triton.jit
 def _top(keys, L: tl.constexpr):
     """The L largest of each row's keys ([ROWS, N], unique but for repeats of the smallest
@@ -281,8 +283,9 @@ def _factor_keys(base, rmask, c0, OFF: tl.constexpr, F: tl.constexpr, CH: tl.con
     bits; int64 (``_pack``) for float32 rows."""
     col = c0 + tl.arange(0, CH)
     ok = col < F
-    x = tl.load(base[:, None] + OFF + col[None, :], mask=rmask[:, None] & ok[None, :],
-                other=0.0).to(tl.float32)
+    x = tl.load(
+        base[:, None] + OFF + col[None, :], mask=rmask[:, None] & ok[None, :], other=0.0
+    ).to(tl.float32)
     if base.dtype.element_ty == tl.bfloat16:
         key = _pack16(x, (4095 - col)[None, :])
         return tl.where(ok[None, :], key, _MIN_KEY32)
@@ -292,8 +295,15 @@ def _factor_keys(base, rmask, c0, OFF: tl.constexpr, F: tl.constexpr, CH: tl.con
 
 
 @triton.jit
-def _factor_top(base, rmask, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexpr,
-                LM: tl.constexpr, ROWS: tl.constexpr):
+def _factor_top(
+    base,
+    rmask,
+    OFF: tl.constexpr,
+    F: tl.constexpr,
+    CH: tl.constexpr,
+    LM: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """Keys of the best LM columns of the factor, best first ([ROWS, LM]), from chunks of CH
     columns."""
     best = _top(_factor_keys(base, rmask, 0, OFF, F, CH), LM)
@@ -308,9 +318,20 @@ def _factor_col(key):
 
 
 @triton.jit
-def _pair_keys(ps, fkey, c0, NP: tl.constexpr, LP: tl.constexpr, M: tl.constexpr,
-               LM: tl.constexpr, KK: tl.constexpr, B: tl.constexpr, LOG: tl.constexpr,
-               CH: tl.constexpr, ROWS: tl.constexpr):
+def _pair_keys(
+    ps,
+    fkey,
+    c0,
+    NP: tl.constexpr,
+    LP: tl.constexpr,
+    M: tl.constexpr,
+    LM: tl.constexpr,
+    KK: tl.constexpr,
+    B: tl.constexpr,
+    LOG: tl.constexpr,
+    CH: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """Keys of candidates c0 .. c0 + CH - 1 of a stage: [ROWS, CH] int64, tie field
     65535 - (256 i + j); candidates that cannot be among the best KK get _MIN_KEY.
     Candidate c lies in region r = c // B at offset o = c % B: region 0 is (i, j) = (o, 0),
@@ -333,9 +354,21 @@ def _pair_keys(ps, fkey, c0, NP: tl.constexpr, LP: tl.constexpr, M: tl.constexpr
 
 
 @triton.jit
-def _stage(ps, plin, fkey, F: tl.constexpr, NP: tl.constexpr, LP: tl.constexpr,
-           M: tl.constexpr, LM: tl.constexpr, KK: tl.constexpr, B: tl.constexpr,
-           LOG: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr):
+def _stage(
+    ps,
+    plin,
+    fkey,
+    F: tl.constexpr,
+    NP: tl.constexpr,
+    LP: tl.constexpr,
+    M: tl.constexpr,
+    LM: tl.constexpr,
+    KK: tl.constexpr,
+    B: tl.constexpr,
+    LOG: tl.constexpr,
+    CH: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """Best KK pairs of the previous list (scores ``ps``, slots ``plin``, [ROWS, LP], NP valid
     ranks) and factor keys ``fkey`` ([ROWS, LM], M valid ranks): [ROWS, B] scores and slots
     in rank order, the first KK valid. The (LOG + 1) * B candidates go in chunks of CH."""
@@ -352,19 +385,43 @@ def _stage(ps, plin, fkey, F: tl.constexpr, NP: tl.constexpr, LP: tl.constexpr,
 
 @triton.jit
 def _product_key_topk_fwd(
-    rows_ptr,                   # [n, W] float32 / bfloat16
-    val_ptr,                    # [n, KK] rows dtype
-    lin_ptr,                    # [n, KK] int64
+    rows_ptr,  # [n, W] float32 / bfloat16
+    val_ptr,  # [n, KK] rows dtype
+    lin_ptr,  # [n, KK] int64
     n_rows,
-    W: tl.constexpr, NF: tl.constexpr, KK: tl.constexpr, LF: tl.constexpr,
+    W: tl.constexpr,
+    NF: tl.constexpr,
+    KK: tl.constexpr,
+    LF: tl.constexpr,
     ROWS: tl.constexpr,
-    F0: tl.constexpr, M0: tl.constexpr, LM0: tl.constexpr, CF0: tl.constexpr,
-    F1: tl.constexpr, M1: tl.constexpr, LM1: tl.constexpr, CF1: tl.constexpr,
-    F2: tl.constexpr, M2: tl.constexpr, LM2: tl.constexpr, CF2: tl.constexpr,
-    F3: tl.constexpr, M3: tl.constexpr, LM3: tl.constexpr, CF3: tl.constexpr,
-    KK1: tl.constexpr, B1: tl.constexpr, LOG1: tl.constexpr, CS1: tl.constexpr,
-    KK2: tl.constexpr, B2: tl.constexpr, LOG2: tl.constexpr, CS2: tl.constexpr,
-    KK3: tl.constexpr, B3: tl.constexpr, LOG3: tl.constexpr, CS3: tl.constexpr,
+    F0: tl.constexpr,
+    M0: tl.constexpr,
+    LM0: tl.constexpr,
+    CF0: tl.constexpr,
+    F1: tl.constexpr,
+    M1: tl.constexpr,
+    LM1: tl.constexpr,
+    CF1: tl.constexpr,
+    F2: tl.constexpr,
+    M2: tl.constexpr,
+    LM2: tl.constexpr,
+    CF2: tl.constexpr,
+    F3: tl.constexpr,
+    M3: tl.constexpr,
+    LM3: tl.constexpr,
+    CF3: tl.constexpr,
+    KK1: tl.constexpr,
+    B1: tl.constexpr,
+    LOG1: tl.constexpr,
+    CS1: tl.constexpr,
+    KK2: tl.constexpr,
+    B2: tl.constexpr,
+    LOG2: tl.constexpr,
+    CS2: tl.constexpr,
+    KK3: tl.constexpr,
+    B3: tl.constexpr,
+    LOG3: tl.constexpr,
+    CS3: tl.constexpr,
 ):
     """Factor f: F{f} columns, M{f} = min(k, F{f}) ranked, lists of LM{f} = pow2(M{f}) from
     chunks of CF{f} columns. Stage f keeps KK{f} of B{f} = pow2(KK{f}) = 2**LOG{f} ranks from
@@ -449,8 +506,7 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
     while rows > 1 and rows * widest_stage > _STAGE_PER_THREAD * 32 * warps:
         rows //= 2
         warps = warps_for(rows)
-    meta.update(NF=len(factors), KK=kk, LF=_pow2(kk), W=sum(factors), ROWS=rows,
-                num_warps=warps)
+    meta.update(NF=len(factors), KK=kk, LF=_pow2(kk), W=sum(factors), ROWS=rows, num_warps=warps)
     return meta
 
 
@@ -461,8 +517,9 @@ def _launch_config(factors: tuple[int, ...], k: int, itemsize: int) -> dict:
     return _fwd_config(list(factors), k, itemsize)
 
 
-def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: torch.Tensor,
-                         lin: torch.Tensor) -> None:
+def product_key_topk_fwd(
+    rows: torch.Tensor, factors: list[int], k: int, val: torch.Tensor, lin: torch.Tensor
+) -> None:
     """val, lin [n, kk] <- the exact top-kk slots of each row of ``rows`` [n, sum(factors)]
     (float32 or bfloat16, contiguous), lin ascending; kk = min(k, prod(factors))."""
     n = rows.shape[0]
@@ -477,9 +534,19 @@ def product_key_topk_fwd(rows: torch.Tensor, factors: list[int], k: int, val: to
 # Backward
 # ---------------------------------------------------------------------------
 
+
 @triton.jit
-def _factor_grad(lin_row, g_row, out_row, rmask, KK: tl.constexpr, F: tl.constexpr,
-                 STRIDE: tl.constexpr, BC: tl.constexpr, ROWS: tl.constexpr):
+def _factor_grad(
+    lin_row,
+    g_row,
+    out_row,
+    rmask,
+    KK: tl.constexpr,
+    F: tl.constexpr,
+    STRIDE: tl.constexpr,
+    BC: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """Dense form: out_row[:, c] = sum over slots j (in order) with column c of this factor of
     g[:, j], for every column c, in blocks of BC columns."""
     for c0 in range(0, F, BC):
@@ -490,14 +557,28 @@ def _factor_grad(lin_row, g_row, out_row, rmask, KK: tl.constexpr, F: tl.constex
             g = tl.load(g_row + j, mask=rmask, other=0.0).to(tl.float32)
             c = ((slot // STRIDE) % F).to(tl.int32)
             acc += tl.where(c[:, None] == col[None, :], g[:, None], 0.0)
-        tl.store(out_row[:, None] + col[None, :], _to_dtype(acc, out_row.dtype.element_ty),
-                 mask=rmask[:, None] & (col < F)[None, :])
+        tl.store(
+            out_row[:, None] + col[None, :],
+            _to_dtype(acc, out_row.dtype.element_ty),
+            mask=rmask[:, None] & (col < F)[None, :],
+        )
 
 
 @triton.jit
-def _factor_grad_scatter(lin_row, g_row, lin_t, g_t, out_row, rmask, KK: tl.constexpr,
-                         KP: tl.constexpr, F: tl.constexpr, STRIDE: tl.constexpr,
-                         ROWS: tl.constexpr, TILES: tl.constexpr):
+def _factor_grad_scatter(
+    lin_row,
+    g_row,
+    lin_t,
+    g_t,
+    out_row,
+    rmask,
+    KK: tl.constexpr,
+    KP: tl.constexpr,
+    F: tl.constexpr,
+    STRIDE: tl.constexpr,
+    ROWS: tl.constexpr,
+    TILES: tl.constexpr,
+):
     """Scatter form: for each slot i, the same sum for its column c_i (the slots j, in order,
     whose column is c_i) is formed in a [ROWS, KP] accumulator and stored at out_row[:, c_i]
     (slots sharing a column store the same value). Columns no slot selects are left as they
@@ -514,8 +595,7 @@ def _factor_grad_scatter(lin_row, g_row, lin_t, g_t, out_row, rmask, KK: tl.cons
             gj = tl.sum(tl.where(jj[None, :] == j, g_t, 0.0), axis=1)
             acc += tl.where(c == cj[:, None], gj[:, None], 0.0)
     else:
-        c = ((tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0) // STRIDE)
-             % F).to(tl.int32)
+        c = ((tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0) // STRIDE) % F).to(tl.int32)
         for j in range(KK):
             slot = tl.load(lin_row + j, mask=rmask, other=0)
             gj = tl.load(g_row + j, mask=rmask, other=0.0).to(tl.float32)
@@ -526,28 +606,60 @@ def _factor_grad_scatter(lin_row, g_row, lin_t, g_t, out_row, rmask, KK: tl.cons
 
 
 @triton.jit
-def _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row, rmask, KK: tl.constexpr,
-                     KP: tl.constexpr, F: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr,
-                     SCATTER: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr):
+def _factor_grad_any(
+    lin_row,
+    g_row,
+    lin_t,
+    g_t,
+    out_row,
+    rmask,
+    KK: tl.constexpr,
+    KP: tl.constexpr,
+    F: tl.constexpr,
+    STRIDE: tl.constexpr,
+    BC: tl.constexpr,
+    SCATTER: tl.constexpr,
+    ROWS: tl.constexpr,
+    TILES: tl.constexpr,
+):
     if SCATTER:
-        _factor_grad_scatter(lin_row, g_row, lin_t, g_t, out_row, rmask, KK, KP, F, STRIDE,
-                             ROWS, TILES)
+        _factor_grad_scatter(
+            lin_row, g_row, lin_t, g_t, out_row, rmask, KK, KP, F, STRIDE, ROWS, TILES
+        )
     else:
         _factor_grad(lin_row, g_row, out_row, rmask, KK, F, STRIDE, BC, ROWS)
 
 
 @triton.jit
 def _product_key_topk_bwd(
-    lin_ptr,                    # [n, KK] int64
-    g_ptr,                      # [n, KK] float32 / bfloat16
-    grad_ptr,                   # [n, W] float32 / bfloat16
+    lin_ptr,  # [n, KK] int64
+    g_ptr,  # [n, KK] float32 / bfloat16
+    grad_ptr,  # [n, W] float32 / bfloat16
     n_rows,
-    KK: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, NF: tl.constexpr,
-    ROWS: tl.constexpr, ZB: tl.constexpr, ANY_SCATTER: tl.constexpr, TILES: tl.constexpr,
-    F0: tl.constexpr, S0: tl.constexpr, BC0: tl.constexpr, SC0: tl.constexpr,
-    F1: tl.constexpr, S1: tl.constexpr, BC1: tl.constexpr, SC1: tl.constexpr,
-    F2: tl.constexpr, S2: tl.constexpr, BC2: tl.constexpr, SC2: tl.constexpr,
-    F3: tl.constexpr, S3: tl.constexpr, BC3: tl.constexpr, SC3: tl.constexpr,
+    KK: tl.constexpr,
+    KP: tl.constexpr,
+    W: tl.constexpr,
+    NF: tl.constexpr,
+    ROWS: tl.constexpr,
+    ZB: tl.constexpr,
+    ANY_SCATTER: tl.constexpr,
+    TILES: tl.constexpr,
+    F0: tl.constexpr,
+    S0: tl.constexpr,
+    BC0: tl.constexpr,
+    SC0: tl.constexpr,
+    F1: tl.constexpr,
+    S1: tl.constexpr,
+    BC1: tl.constexpr,
+    SC1: tl.constexpr,
+    F2: tl.constexpr,
+    S2: tl.constexpr,
+    BC2: tl.constexpr,
+    SC2: tl.constexpr,
+    F3: tl.constexpr,
+    S3: tl.constexpr,
+    BC3: tl.constexpr,
+    SC3: tl.constexpr,
 ):
     """Factor f: F{f} columns, column of slot lin = (lin // S{f}) % F{f}, S{f} =
     prod(factors[f+1:]); the scatter form where SC{f}, else the dense one in accumulator
@@ -576,17 +688,47 @@ def _product_key_topk_bwd(
         m2 = rmask[:, None] & (jj < KK)[None, :]
         lin_t = tl.load(lin_row[:, None] + jj[None, :], mask=m2, other=0)
         g_t = tl.load(g_row[:, None] + jj[None, :], mask=m2, other=0.0).to(tl.float32)
-    _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row, rmask, KK, KP, F0, S0, BC0, SC0,
-                     ROWS, TILES)
+    _factor_grad_any(
+        lin_row, g_row, lin_t, g_t, out_row, rmask, KK, KP, F0, S0, BC0, SC0, ROWS, TILES
+    )
     if NF > 1:
-        _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row + F0, rmask, KK, KP, F1, S1, BC1,
-                         SC1, ROWS, TILES)
+        _factor_grad_any(
+            lin_row, g_row, lin_t, g_t, out_row + F0, rmask, KK, KP, F1, S1, BC1, SC1, ROWS, TILES
+        )
     if NF > 2:
-        _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row + (F0 + F1), rmask, KK, KP, F2,
-                         S2, BC2, SC2, ROWS, TILES)
+        _factor_grad_any(
+            lin_row,
+            g_row,
+            lin_t,
+            g_t,
+            out_row + (F0 + F1),
+            rmask,
+            KK,
+            KP,
+            F2,
+            S2,
+            BC2,
+            SC2,
+            ROWS,
+            TILES,
+        )
     if NF > 3:
-        _factor_grad_any(lin_row, g_row, lin_t, g_t, out_row + (F0 + F1 + F2), rmask, KK, KP,
-                         F3, S3, BC3, SC3, ROWS, TILES)
+        _factor_grad_any(
+            lin_row,
+            g_row,
+            lin_t,
+            g_t,
+            out_row + (F0 + F1 + F2),
+            rmask,
+            KK,
+            KP,
+            F3,
+            S3,
+            BC3,
+            SC3,
+            ROWS,
+            TILES,
+        )
 
 
 def _bwd_config(factors: list[int], kk: int) -> dict:
@@ -601,19 +743,25 @@ def _bwd_config(factors: list[int], kk: int) -> dict:
     meta = {"KK": kk, "KP": kp, "W": sum(factors), "NF": len(factors)}
     widest = 1
     any_scatter = False
-    for f in range(4):   # absent factors: 1 column, dense, never the widest
+    for f in range(4):  # absent factors: 1 column, dense, never the widest
         width = factors[f] if f < len(factors) else 1
         scatter = width > kp
         bc = min(_pow2(width), _BWD_COLS)
-        meta.update({f"F{f}": width, f"S{f}": math.prod(factors[f + 1:]), f"BC{f}": bc,
-                     f"SC{f}": scatter})
+        meta.update(
+            {f"F{f}": width, f"S{f}": math.prod(factors[f + 1 :]), f"BC{f}": bc, f"SC{f}": scatter}
+        )
         widest = max(widest, kp if scatter else bc)
         any_scatter |= scatter
     rows = max(1, min(_BWD_MAX_ROWS, _BWD_BLOCK // widest))
     if any_scatter:
         rows = min(rows, 1 << _log2(max(1, _BWD_ZERO_ROW_ELEMENTS // meta["W"])))
-    meta.update(ROWS=rows, ZB=_BWD_BLOCK, ANY_SCATTER=any_scatter,
-                TILES=any_scatter and kp >= _BWD_TILE_SLOTS, num_warps=_BWD_WARPS)
+    meta.update(
+        ROWS=rows,
+        ZB=_BWD_BLOCK,
+        ANY_SCATTER=any_scatter,
+        TILES=any_scatter and kp >= _BWD_TILE_SLOTS,
+        num_warps=_BWD_WARPS,
+    )
     return meta
 
 
@@ -623,8 +771,9 @@ def _bwd_launch_config(factors: tuple[int, ...], kk: int) -> dict:
     return _bwd_config(list(factors), kk)
 
 
-def product_key_topk_bwd(lin: torch.Tensor, grad_val: torch.Tensor, factors: list[int],
-                         grad: torch.Tensor) -> None:
+def product_key_topk_bwd(
+    lin: torch.Tensor, grad_val: torch.Tensor, factors: list[int], grad: torch.Tensor
+) -> None:
     """grad [n, sum(factors)] <- the gradient of the rows from ``grad_val`` [n, kk] at the
     slots ``lin`` [n, kk] (all contiguous); every element is written."""
     n, kk = lin.shape

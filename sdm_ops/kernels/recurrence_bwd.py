@@ -53,17 +53,20 @@ _DUAL_BLOCK_D = 32
 
 
 @triton.jit
-def _load_snapshot(snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.constexpr,
-                   MODE: tl.constexpr):
+def _load_snapshot(
+    snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr
+):
     """Dequantized snapshot rows [TB, EP, BD] of entries ``ent`` (flat int64 index)."""
     if MODE == 0 or MODE == 1:
-        return tl.load(snap + ent[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None],
-                       other=0.0).to(tl.float32)
+        return tl.load(
+            snap + ent[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0
+        ).to(tl.float32)
     else:
         scale = tl.load(snap_scale + ent * (D // BD) + c0 // BD, mask=ok, other=0.0)
         if MODE == 2:
-            bits = tl.load(snap + ent[:, :, None] * D + cols[None, None, :],
-                           mask=ok[:, :, None], other=0).to(tl.int32)   # raw e4m3 bits
+            bits = tl.load(
+                snap + ent[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0
+            ).to(tl.int32)  # raw e4m3 bits
             ex = (bits >> 3) & 15
             mant = bits & 7
             normal = (((ex + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
@@ -71,8 +74,11 @@ def _load_snapshot(snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.
             x = tl.where((bits & 0x80) != 0, -x, x)
         else:
             half = c0 // 2 + tl.arange(0, BD // 2)
-            byte = tl.load(snap + ent[:, :, None] * (D // 2) + half[None, None, :],
-                           mask=ok[:, :, None], other=0).to(tl.int32)
+            byte = tl.load(
+                snap + ent[:, :, None] * (D // 2) + half[None, None, :],
+                mask=ok[:, :, None],
+                other=0,
+            ).to(tl.int32)
             lo = (byte & 15) - 8
             hi = (byte >> 4) - 8
             TB: tl.constexpr = byte.shape[0]
@@ -83,13 +89,48 @@ def _load_snapshot(snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.
 
 @triton.jit
 def _recurrence_bwd_kernel(
-    beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-    X, QX, snap, snap_scale, delta, dout, chunks, seq_chunks,
-    dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
-    T, H, S, NC, NTOK,
-    D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
-    MODE: tl.constexpr, HAS_DOUT: tl.constexpr, VARLEN: tl.constexpr,
+    beta,
+    write_idx,
+    read_idx,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    X,
+    QX,
+    snap,
+    snap_scale,
+    delta,
+    dout,
+    chunks,
+    seq_chunks,
+    dbank,
+    ddelta,
+    du,
+    dv,
+    p_gw,
+    p_gr,
+    p_sw,
+    p_rd,
+    T,
+    H,
+    S,
+    NC,
+    NTOK,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
+    C: tl.constexpr,
+    TB: tl.constexpr,
+    BD: tl.constexpr,
+    RB: tl.constexpr,
+    MODE: tl.constexpr,
+    HAS_DOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
     c0 = tl.program_id(0) % (D // BD) * BD
@@ -106,7 +147,7 @@ def _recurrence_bwd_kernel(
     p_rd += pid_c.to(tl.int64) * NTOK * W
     p_gr += pid_c.to(tl.int64) * NTOK * R
     dbank_p = dbank + p.to(tl.int64) * S * D
-    if VARLEN:      # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
+    if VARLEN:  # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
         lo = tl.load(seq_chunks + p // H).to(tl.int32)
         hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
         tiles = h.to(tl.int64) * NC
@@ -130,8 +171,9 @@ def _recurrence_bwd_kernel(
         # ... and its snapshot rows (the snapshot is read-only here, so the rows of the chunk
         # before can be in flight during a chunk's dependent chain).
         _, lok = bank_slots(next_w, lwm, S)
-        next_m0 = _load_snapshot(snap, snap_scale, snapshot_entries(ltok, 0, W + R, WP), lok,
-                                 c0, rcols, D, BD, MODE)
+        next_m0 = _load_snapshot(
+            snap, snap_scale, snapshot_entries(ltok, 0, W + R, WP), lok, c0, rcols, D, BD, MODE
+        )
     for nn in range(lo, hi):
         n = lo + hi - 1 - nn
         if VARLEN:
@@ -158,13 +200,13 @@ def _recurrence_bwd_kernel(
             next_w = tl.load(write_idx + nwent, mask=nwm, other=-1)
             m0 = next_m0
             _, nok = bank_slots(next_w, nwm, S)
-            next_m0 = _load_snapshot(snap, snap_scale, snapshot_entries(ntok, 0, W + R, WP),
-                                     nok, c0, rcols, D, BD, MODE)
+            next_m0 = _load_snapshot(
+                snap, snap_scale, snapshot_entries(ntok, 0, W + R, WP), nok, c0, rcols, D, BD, MODE
+            )
             rk = tl.load(rank + went, mask=ok, other=-1)
             first = ok & (rk == 0)
             sw = tl.load(scatter_w + went, mask=ok, other=0.0)
-            dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                         other=0.0)
+            dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
             # Every read-only load of the chunk before its first store (a load after a store
             # waits for it: the compiler cannot tell they do not alias).
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
@@ -172,34 +214,46 @@ def _recurrence_bwd_kernel(
             rd = tl.load(row_decay + went, mask=first, other=1.0)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-            xo = x_base + ci[None, :] * C + ci[:, None]             # X^T
+            xo = x_base + ci[None, :] * C + ci[:, None]  # X^T
             xt = tl.load(X + xo)
             if HAS_DOUT:
-                do = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                             other=0.0).to(tl.float32)
+                do = tl.load(
+                    dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
+                ).to(tl.float32)
                 qxt = tl.load(QX + xo)
-                qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qok,
-                                       c0, rcols, D, BD, MODE)
+                qrows = _load_snapshot(
+                    snap,
+                    snap_scale,
+                    snapshot_entries(tok, W, W + R, RP),
+                    qok,
+                    c0,
+                    rcols,
+                    D,
+                    BD,
+                    MODE,
+                )
                 rrk = tl.load(read_rank + rent, mask=qok, other=-1)
                 rg = tl.load(gather_r + rent, mask=qok, other=0.0)
             dd = tl.sum(sw[:, :, None] * dm1, 1)
             tl.store(ddelta + tok[:, None] * D + cols[None, :], dd, mask=tok_ok[:, None])
             tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
-            tl.store(p_rd + went, tl.where(first, tl.sum(dm1 * m0, 2), 0.0),
-                     mask=wm)
+            tl.store(p_rd + went, tl.where(first, tl.sum(dm1 * m0, 2), 0.0), mask=wm)
             duu = tl.dot(xt, dd, input_precision="ieee")
             if HAS_DOUT:
                 duu = tl.dot(qxt, do, duu, input_precision="ieee")
             tl.store(du + tok[:, None] * D + cols[None, :], duu, mask=tok_ok[:, None])
-            tl.store(dv + tok[:, None] * D + cols[None, :],
-                     (bb[:, None] * duu).to(dv.dtype.element_ty), mask=tok_ok[:, None])
+            tl.store(
+                dv + tok[:, None] * D + cols[None, :],
+                (bb[:, None] * duu).to(dv.dtype.element_ty),
+                mask=tok_ok[:, None],
+            )
             dret = -bb[:, None] * duu
             tl.store(p_gw + went, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
             if HAS_DOUT:
                 tl.store(p_gr + rent, tl.sum(do[:, None, :] * qrows, 2), mask=rm)
             gterm = gw[:, :, None] * dret[:, None, :]
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
-            tl.debug_barrier()          # every load of dM at the chunk's end precedes a store
+            tl.debug_barrier()  # every load of dM at the chunk's end precedes a store
             tl.store(dptr, rd[:, :, None] * dm1 + gterm, mask=first[:, :, None])
             for k in range(1, npass):
                 tl.debug_barrier()
@@ -210,8 +264,7 @@ def _recurrence_bwd_kernel(
                 rptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
                 for k in range(0, rpass):
                     tl.debug_barrier()
-                    tl.atomic_add(rptr, rterm, mask=(qok & (rrk == k))[:, :, None],
-                                  sem="relaxed")
+                    tl.atomic_add(rptr, rterm, mask=(qok & (rrk == k))[:, :, None], sem="relaxed")
             tl.debug_barrier()
         else:
             npass = 1
@@ -225,28 +278,44 @@ def _recurrence_bwd_kernel(
                 rk = tl.load(rank + went, mask=ok, other=-1)
                 npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
                 sw = tl.load(scatter_w + went, mask=ok, other=0.0)
-                dm1 = tl.load(dbank_p + s[:, :, None] * D + cols[None, None, :],
-                              mask=ok[:, :, None], other=0.0)
-                m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok,
-                                    c0, rcols, D, BD, MODE)
-                dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                             other=0.0)
-                tl.store(ddelta + tok[:, None] * D + cols[None, :],
-                         tl.sum(sw[:, :, None] * dm1, 1), mask=tok_ok[:, None])
+                dm1 = tl.load(
+                    dbank_p + s[:, :, None] * D + cols[None, None, :],
+                    mask=ok[:, :, None],
+                    other=0.0,
+                )
+                m0 = _load_snapshot(
+                    snap,
+                    snap_scale,
+                    snapshot_entries(tok, 0, W + R, WP),
+                    ok,
+                    c0,
+                    rcols,
+                    D,
+                    BD,
+                    MODE,
+                )
+                dl = tl.load(
+                    delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
+                )
+                tl.store(
+                    ddelta + tok[:, None] * D + cols[None, :],
+                    tl.sum(sw[:, :, None] * dm1, 1),
+                    mask=tok_ok[:, None],
+                )
                 tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
-                tl.store(p_rd + went,
-                         tl.where(ok & (rk == 0), tl.sum(dm1 * m0, 2), 0.0), mask=wm)
+                tl.store(p_rd + went, tl.where(ok & (rk == 0), tl.sum(dm1 * m0, 2), 0.0), mask=wm)
             tl.debug_barrier()
             # (c) du = X^T ddelta + QX^T dout.
             tok_c, ok_c = token_rows(tok0, h, H, count, ci)
             ok_c = ok_c[:, None]
             dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)
             if HAS_DOUT:
-                do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c,
-                             other=0.0).to(tl.float32)
+                do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0).to(
+                    tl.float32
+                )
             for rb in range(0, C, RB):
                 ri = rb + tl.arange(0, RB)
-                xo = x_base + ci[None, :] * C + ri[:, None]             # rows ri of X^T
+                xo = x_base + ci[None, :] * C + ri[:, None]  # rows ri of X^T
                 acc = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
                 if HAS_DOUT:
                     acc = tl.dot(tl.load(QX + xo), do, acc, input_precision="ieee")
@@ -261,31 +330,57 @@ def _recurrence_bwd_kernel(
                 s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
                 rk = tl.load(rank + went, mask=ok, other=-1)
                 bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
-                duu = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                              other=0.0)
-                tl.store(dv + tok[:, None] * D + cols[None, :],
-                         (bb[:, None] * duu).to(dv.dtype.element_ty), mask=tok_ok[:, None])
+                duu = tl.load(
+                    du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
+                )
+                tl.store(
+                    dv + tok[:, None] * D + cols[None, :],
+                    (bb[:, None] * duu).to(dv.dtype.element_ty),
+                    mask=tok_ok[:, None],
+                )
                 dret = -bb[:, None] * duu
-                m0 = _load_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), ok,
-                                    c0, rcols, D, BD, MODE)
+                m0 = _load_snapshot(
+                    snap,
+                    snap_scale,
+                    snapshot_entries(tok, 0, W + R, WP),
+                    ok,
+                    c0,
+                    rcols,
+                    D,
+                    BD,
+                    MODE,
+                )
                 tl.store(p_gw + went, tl.sum(dret[:, None, :] * m0, 2), mask=wm)
                 rent, rm = entry_offsets(tok, tok_ok, R, RP)
                 q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
                 rrk = tl.load(read_rank + rent, mask=qok, other=0)
                 rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
                 if HAS_DOUT:
-                    qrows = _load_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP),
-                                           qok, c0, rcols, D, BD, MODE)
-                    doo = tl.load(dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                                  other=0.0).to(tl.float32)
+                    qrows = _load_snapshot(
+                        snap,
+                        snap_scale,
+                        snapshot_entries(tok, W, W + R, RP),
+                        qok,
+                        c0,
+                        rcols,
+                        D,
+                        BD,
+                        MODE,
+                    )
+                    doo = tl.load(
+                        dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
+                    ).to(tl.float32)
                     tl.store(p_gr + rent, tl.sum(doo[:, None, :] * qrows, 2), mask=rm)
                 first = ok & (rk == 0)
                 gw = tl.load(gather_w + went, mask=ok, other=0.0)
                 rd = tl.load(row_decay + went, mask=first, other=1.0)
                 dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
                 dm1 = tl.load(dptr, mask=first[:, :, None], other=0.0)
-                tl.store(dptr, rd[:, :, None] * dm1 + gw[:, :, None] * dret[:, None, :],
-                         mask=first[:, :, None])
+                tl.store(
+                    dptr,
+                    rd[:, :, None] * dm1 + gw[:, :, None] * dret[:, None, :],
+                    mask=first[:, :, None],
+                )
             tl.debug_barrier()
             # (e) The other write entries of each slot, then the read entries, pass by pass.
             for k in range(1, npass + rpass):
@@ -299,12 +394,16 @@ def _recurrence_bwd_kernel(
                         rk = tl.load(rank + went, mask=ok, other=-1)
                         mine = ok & (rk == k)
                         gw = tl.load(gather_w + went, mask=mine, other=0.0)
-                        duu = tl.load(du + tok[:, None] * D + cols[None, :],
-                                      mask=tok_ok[:, None], other=0.0)
+                        duu = tl.load(
+                            du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
+                        )
                         dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
                         cur = tl.load(dptr, mask=mine[:, :, None], other=0.0)
-                        tl.store(dptr, cur - gw[:, :, None] * (bb[:, None] * duu)[:, None, :],
-                                 mask=mine[:, :, None])
+                        tl.store(
+                            dptr,
+                            cur - gw[:, :, None] * (bb[:, None] * duu)[:, None, :],
+                            mask=mine[:, :, None],
+                        )
                     else:
                         # Read entries: names differ from the branch above (tiles of another
                         # shape).
@@ -315,19 +414,40 @@ def _recurrence_bwd_kernel(
                             r_rk = tl.load(read_rank + r_ent, mask=r_ok, other=-1)
                             r_mine = r_ok & (r_rk == k - npass)
                             r_g = tl.load(gather_r + r_ent, mask=r_mine, other=0.0)
-                            r_do = tl.load(dout + tok[:, None] * D + cols[None, :],
-                                           mask=tok_ok[:, None], other=0.0).to(tl.float32)
+                            r_do = tl.load(
+                                dout + tok[:, None] * D + cols[None, :],
+                                mask=tok_ok[:, None],
+                                other=0.0,
+                            ).to(tl.float32)
                             r_ptr = dbank_p + r_s[:, :, None] * D + cols[None, None, :]
                             r_cur = tl.load(r_ptr, mask=r_mine[:, :, None], other=0.0)
-                            tl.store(r_ptr, r_cur + r_g[:, :, None] * r_do[:, None, :],
-                                     mask=r_mine[:, :, None])
+                            tl.store(
+                                r_ptr,
+                                r_cur + r_g[:, :, None] * r_do[:, None, :],
+                                mask=r_mine[:, :, None],
+                            )
                 tl.debug_barrier()
 
 
 @triton.jit
-def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, chunks, dX, dQX, dbeta, T, H,
-                            D: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                            HAS_DOUT: tl.constexpr, VARLEN: tl.constexpr):
+def _dual_matmul_bwd_kernel(
+    beta,
+    res,
+    ddelta,
+    du,
+    dout,
+    chunks,
+    dX,
+    dQX,
+    dbeta,
+    T,
+    H,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_DOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
     """dX = ddelta u^T, dQX = dout u^T (u = beta res) and dbeta = du . res for one chunk (or
     chunk slot: an unused one gets zero tiles)."""
     n = tl.program_id(0)
@@ -349,11 +469,19 @@ def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, chunks, dX, dQX, dbeta,
         off = tok[:, None] * D + kc[None, :]
         r = tl.load(res + off, mask=ok[:, None], other=0.0)
         u = bb[:, None] * r
-        acc_x = tl.dot(tl.load(ddelta + off, mask=ok[:, None], other=0.0), tl.trans(u), acc_x,
-                       input_precision="tf32x3")
+        acc_x = tl.dot(
+            tl.load(ddelta + off, mask=ok[:, None], other=0.0),
+            tl.trans(u),
+            acc_x,
+            input_precision="tf32x3",
+        )
         if HAS_DOUT:
-            acc_q = tl.dot(tl.load(dout + off, mask=ok[:, None], other=0.0).to(tl.float32),
-                           tl.trans(u), acc_q, input_precision="tf32x3")
+            acc_q = tl.dot(
+                tl.load(dout + off, mask=ok[:, None], other=0.0).to(tl.float32),
+                tl.trans(u),
+                acc_q,
+                input_precision="tf32x3",
+            )
         db += tl.sum(tl.load(du + off, mask=ok[:, None], other=0.0) * r, 1)
     base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
     tile = base + ci[:, None] * C + ci[None, :]
@@ -362,9 +490,32 @@ def _dual_matmul_bwd_kernel(beta, res, ddelta, du, dout, chunks, dX, dQX, dbeta,
     tl.store(dbeta + tok, db, mask=ok)
 
 
-def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-                   read_rank, X, QX, res, delta, snap, snap_scale, snapshot: str, dout,
-                   dbank, dv, dX, dQX, dbeta, chunks=None, seq_chunks=None):
+def recurrence_bwd(
+    beta,
+    write_idx,
+    read_idx,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    X,
+    QX,
+    res,
+    delta,
+    snap,
+    snap_scale,
+    snapshot: str,
+    dout,
+    dbank,
+    dv,
+    dX,
+    dQX,
+    dbeta,
+    chunks=None,
+    seq_chunks=None,
+):
     """Launch the phase-2 backward. ``dbank`` (the gradient of the final bank, turned into that
     of the initial bank) is a work buffer; dv,
     dX, dQX and dbeta are written whole. ``dout`` may be None (no gradient of ``out``).
@@ -374,7 +525,7 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     C = X.shape[-1]
     S = dbank.shape[-2]
     N, P = chunk_grid(B, T, H, C, chunks)
-    streams = dbank.shape[0] * H        # B * H, or N * H for a packed batch
+    streams = dbank.shape[0] * H  # B * H, or N * H for a packed batch
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     nb = D // BLOCK_D
     f32 = dict(dtype=torch.float32, device=res.device)
@@ -389,18 +540,69 @@ def recurrence_bwd(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row
     varlen = chunks is not None
     if streams * T:
         wrap_triton(_recurrence_bwd_kernel)[(streams * nb,)](
-            beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank, read_rank,
-            X, QX, snap, snap_scale if snap_scale.numel() else gather_w, delta,
-            dout if has_dout else delta, chunks if varlen else rank, seq_chunks if varlen else rank,
-            dbank, ddelta, du, dv, p_gw, p_gr, p_sw, p_rd,
-            T, H, S, N, B * T * H,
-            D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS),
-            MODE=SNAP_CODES[snapshot], HAS_DOUT=has_dout, VARLEN=varlen, num_warps=_NUM_WARPS)
-    if N * P:       # also when T = 0 in a packed batch: its unused chunk slots get zero tiles
+            beta,
+            write_idx,
+            read_idx,
+            gather_w,
+            gather_r,
+            scatter_w,
+            row_decay,
+            rank,
+            read_rank,
+            X,
+            QX,
+            snap,
+            snap_scale if snap_scale.numel() else gather_w,
+            delta,
+            dout if has_dout else delta,
+            chunks if varlen else rank,
+            seq_chunks if varlen else rank,
+            dbank,
+            ddelta,
+            du,
+            dv,
+            p_gw,
+            p_gr,
+            p_sw,
+            p_rd,
+            T,
+            H,
+            S,
+            N,
+            B * T * H,
+            D=D,
+            W=W,
+            R=R,
+            WP=wp,
+            RP=rp,
+            C=C,
+            TB=tb,
+            BD=BLOCK_D,
+            RB=min(C, _ROWS),
+            MODE=SNAP_CODES[snapshot],
+            HAS_DOUT=has_dout,
+            VARLEN=varlen,
+            num_warps=_NUM_WARPS,
+        )
+    if N * P:  # also when T = 0 in a packed batch: its unused chunk slots get zero tiles
         wrap_triton(_dual_matmul_bwd_kernel)[(N, P)](
-            beta, res, ddelta, du, dout if has_dout else du, chunks if varlen else rank,
-            dX, dQX, dbeta, T, H,
-            D=D, C=C, BK=min(D, _DUAL_BLOCK_D), HAS_DOUT=has_dout, VARLEN=varlen,
-            num_warps=_DUAL_WARPS)
+            beta,
+            res,
+            ddelta,
+            du,
+            dout if has_dout else du,
+            chunks if varlen else rank,
+            dX,
+            dQX,
+            dbeta,
+            T,
+            H,
+            D=D,
+            C=C,
+            BK=min(D, _DUAL_BLOCK_D),
+            HAS_DOUT=has_dout,
+            VARLEN=varlen,
+            num_warps=_DUAL_WARPS,
+        )
     d_gather_r = p_gr.sum(0) if has_dout else torch.zeros(B, T, H, R, **f32)
     return p_gw.sum(0), d_gather_r, p_sw.sum(0), p_rd.sum(0)

@@ -73,11 +73,11 @@ from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, to
 from .chunk_prepare import chunk_grid
 
 BLOCK_D = QUANT_GROUP  # columns per program: a program quantizes one snapshot group
-_ROWS = 32            # rows of X per dot in step 2, and tokens of u per slice
+_ROWS = 32  # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
-_TILE = 8192          # entries x columns gathered at once
-_OUT_TILE = 4096      # chunk tokens x out's columns a step of _out_kernel, at most
-_OUT_WARPS = 4        # a chunk of 64 tokens; twice as many at 128
+_TILE = 8192  # entries x columns gathered at once
+_OUT_TILE = 4096  # chunk tokens x out's columns a step of _out_kernel, at most
+_OUT_WARPS = 4  # a chunk of 64 tokens; twice as many at 128
 # The SM count ``walk_forms_out`` assumes: None for the device's own (on the CPU none, so that
 # the interpreter takes the reference shape's path, out after the walk); tests set it.
 _WALK_SMS: int | None = None
@@ -108,20 +108,27 @@ def _e4m3_bits(x):
 
 
 @triton.jit
-def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
-                    BD: tl.constexpr, MODE: tl.constexpr):
+def _store_snapshot(
+    snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr
+):
     """Store gathered rows [TB, EP, BD] of entries ``ent`` [TB, EP] (int64 flat entry index)."""
     if MODE == 0 or MODE == 1:
-        tl.store(snap + ent[:, :, None] * D + cols[None, None, :],
-                 rows.to(snap.dtype.element_ty), mask=ok[:, :, None])
+        tl.store(
+            snap + ent[:, :, None] * D + cols[None, None, :],
+            rows.to(snap.dtype.element_ty),
+            mask=ok[:, :, None],
+        )
     else:
         amax = tl.max(tl.abs(rows), 2)
         if MODE == 2:
             scale = tl.where(amax > 0, amax / 448.0, 1.0)
             x = rows / scale[:, :, None]
             x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-            tl.store(snap + ent[:, :, None] * D + cols[None, None, :], _e4m3_bits(x).to(tl.uint8),
-                     mask=ok[:, :, None])
+            tl.store(
+                snap + ent[:, :, None] * D + cols[None, None, :],
+                _e4m3_bits(x).to(tl.uint8),
+                mask=ok[:, :, None],
+            )
         else:
             scale = tl.where(amax > 0, amax / 7.0, 1.0)
             x = tl.floor(rows / scale[:, :, None] + 0.5)
@@ -131,8 +138,9 @@ def _store_snapshot(snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr,
             lo, hi = tl.split(tl.reshape(q, (TB, EP, BD // 2, 2)))
             byte = (lo | (hi << 4)).to(tl.uint8)
             half = c0 // 2 + tl.arange(0, BD // 2)
-            tl.store(snap + ent[:, :, None] * (D // 2) + half[None, None, :], byte,
-                     mask=ok[:, :, None])
+            tl.store(
+                snap + ent[:, :, None] * (D // 2) + half[None, None, :], byte, mask=ok[:, :, None]
+            )
         tl.store(snap_scale + ent * (D // BD) + c0 // BD, scale, mask=ok)
 
 
@@ -142,8 +150,12 @@ def _gather(row_p, ok, w, cols, KEEP: tl.constexpr):
     their sums weighted by ``w`` over the entries, [TB, BD]. ``KEEP`` asks L2 to keep the rows
     (evict_last): the one-tile walk without a snapshot is slightly faster so; the other walks
     keep the default."""
-    rows = tl.load(row_p[:, :, None] + cols[None, None, :], mask=ok[:, :, None], other=0.0,
-                   eviction_policy="evict_last" if KEEP else "").to(tl.float32)
+    rows = tl.load(
+        row_p[:, :, None] + cols[None, None, :],
+        mask=ok[:, :, None],
+        other=0.0,
+        eviction_policy="evict_last" if KEEP else "",
+    ).to(tl.float32)
     return rows, tl.sum(w[:, :, None] * rows, 1)
 
 
@@ -169,12 +181,48 @@ def _row_base(bank_p, src_p, fw, n, SOURCE: tl.constexpr):
 
 @triton.jit
 def _recurrence_fwd_kernel(
-    v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-    X, QX, bank, out, res, delta, scratch, snap, snap_scale, chunks, seq_chunks,
-    source, first, inter_buf, T, H, S, NC, SRC_PERIOD,
-    D: tl.constexpr, W: tl.constexpr, R: tl.constexpr, WP: tl.constexpr, RP: tl.constexpr,
-    C: tl.constexpr, TB: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
-    MODE: tl.constexpr, SNAPSHOT: tl.constexpr, VARLEN: tl.constexpr, SOURCE: tl.constexpr,
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    X,
+    QX,
+    bank,
+    out,
+    res,
+    delta,
+    scratch,
+    snap,
+    snap_scale,
+    chunks,
+    seq_chunks,
+    source,
+    first,
+    inter_buf,
+    T,
+    H,
+    S,
+    NC,
+    SRC_PERIOD,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
+    C: tl.constexpr,
+    TB: tl.constexpr,
+    BD: tl.constexpr,
+    RB: tl.constexpr,
+    KB: tl.constexpr,
+    MODE: tl.constexpr,
+    SNAPSHOT: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SOURCE: tl.constexpr,
     OUT_WALK: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
@@ -190,7 +238,7 @@ def _recurrence_fwd_kernel(
     src_p = source + (p % SRC_PERIOD).to(tl.int64) * S * D
     first_p = first + p.to(tl.int64) * S
     scratch_p = scratch + p.to(tl.int64) * C * D
-    if VARLEN:      # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
+    if VARLEN:  # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
         lo = tl.load(seq_chunks + p // H).to(tl.int32)
         hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
         tiles = h.to(tl.int64) * NC
@@ -232,14 +280,22 @@ def _recurrence_fwd_kernel(
             tok, tok_ok = token_rows(tok0, h, H, count, ci)
             went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(next_w, wm, S)
-            rows, retrieved = _gather(_row_base(bank_p, src_p, next_fw, n, SOURCE)
-                                      + s * D, ok, tl.where(ok, next_gw, 0.0), rcols,
-                                      not SNAPSHOT)
+            rows, retrieved = _gather(
+                _row_base(bank_p, src_p, next_fw, n, SOURCE) + s * D,
+                ok,
+                tl.where(ok, next_gw, 0.0),
+                rcols,
+                not SNAPSHOT,
+            )
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(next_r, rm, S)
-            qrows, inter = _gather(_row_base(bank_p, src_p, next_fr, n, SOURCE)
-                                   + q * D, qok, tl.where(qok, next_gr, 0.0), rcols,
-                                   not SNAPSHOT)
+            qrows, inter = _gather(
+                _row_base(bank_p, src_p, next_fr, n, SOURCE) + q * D,
+                qok,
+                tl.where(qok, next_gr, 0.0),
+                rcols,
+                not SNAPSHOT,
+            )
             if VARLEN:
                 ntok0 = tl.load(chunks + 2 * n + 2, mask=n + 1 < hi, other=0)
                 ncount = tl.load(chunks + 2 * n + 3, mask=n + 1 < hi, other=0).to(tl.int32)
@@ -253,24 +309,49 @@ def _recurrence_fwd_kernel(
             next_r = tl.load(read_idx + nrent, mask=nrm, other=-1)
             next_gr = tl.load(gather_r + nrent, mask=nrm, other=0.0)
             rk = tl.load(rank + went, mask=ok, other=-1)
-            vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                         other=0.0).to(tl.float32)
+            vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0).to(
+                tl.float32
+            )
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
             if SNAPSHOT:
-                _store_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows, wm,
-                                c0, rcols, D, BD, MODE)
-                _store_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qrows, rm,
-                                c0, rcols, D, BD, MODE)
-                tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
-                         mask=tok_ok[:, None])
+                _store_snapshot(
+                    snap,
+                    snap_scale,
+                    snapshot_entries(tok, 0, W + R, WP),
+                    rows,
+                    wm,
+                    c0,
+                    rcols,
+                    D,
+                    BD,
+                    MODE,
+                )
+                _store_snapshot(
+                    snap,
+                    snap_scale,
+                    snapshot_entries(tok, W, W + R, RP),
+                    qrows,
+                    rm,
+                    c0,
+                    rcols,
+                    D,
+                    BD,
+                    MODE,
+                )
+                tl.store(
+                    res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None]
+                )
             uu = bb[:, None] * (vv - retrieved)
             xo = x_base + ci[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
             if SNAPSHOT or OUT_WALK:
                 o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
             if SNAPSHOT:
-                tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
-                         mask=tok_ok[:, None])
+                tl.store(
+                    out + tok[:, None] * D + cols[None, :],
+                    o.to(out.dtype.element_ty),
+                    mask=tok_ok[:, None],
+                )
                 tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
             # The next chunk's first writing chunks, now that its slots have arrived.
             fs, fok = bank_slots(next_w, nwm, S)
@@ -283,23 +364,27 @@ def _recurrence_fwd_kernel(
             lead = ok & (rk == 0)
             rd = tl.load(row_decay + went, mask=lead, other=1.0)
             npass = tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0)
-            tl.debug_barrier()          # every gather of the chunk precedes its first write
+            tl.debug_barrier()  # every gather of the chunk precedes its first write
             if not SNAPSHOT and OUT_WALK:
                 # With at most one program an SM, out in the walk (the second dot costs no
                 # occupancy there), stored after the barrier rather than with the dots (about a
                 # quarter faster so).
-                tl.store(out + tok[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
-                         mask=tok_ok[:, None])
+                tl.store(
+                    out + tok[:, None] * D + cols[None, :],
+                    o.to(out.dtype.element_ty),
+                    mask=tok_ok[:, None],
+                )
             elif not SNAPSHOT:
                 # Else out = inter + QX u is left to _out_kernel, which forms it after the walk
                 # from the res and inter stored here (after the barrier, as above): the walk does
                 # one dot a chunk, not two, and fits two programs an SM.
-                tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
-                         mask=tok_ok[:, None])
-                tl.store(inter_buf + tok[:, None] * D + cols[None, :], inter,
-                         mask=tok_ok[:, None])
-            tl.store(ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty),
-                     mask=lead[:, :, None])
+                tl.store(
+                    res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None]
+                )
+                tl.store(inter_buf + tok[:, None] * D + cols[None, :], inter, mask=tok_ok[:, None])
+            tl.store(
+                ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty), mask=lead[:, :, None]
+            )
             for k in range(1, npass):
                 tl.debug_barrier()
                 mine = ok & (rk == k)
@@ -314,32 +399,60 @@ def _recurrence_fwd_kernel(
             # (1) Gathers: retrieved, inter, res = v - retrieved, snapshot.
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
-                tok, tok_ok = token_rows(tok0, h, H, count, ii)                   # [TB]
+                tok, tok_ok = token_rows(tok0, h, H, count, ii)  # [TB]
                 went, wm = entry_offsets(tok, tok_ok, W, WP)  # [TB, WP]
                 s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
                 rk = tl.load(rank + went, mask=ok, other=0)
                 npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
                 fw = _first_chunks(first_p, s, ok, SOURCE)
-                rows, retrieved = _gather(_row_base(bank_p, src_p, fw, n, SOURCE)
-                                          + s * D, ok,
-                                          tl.load(gather_w + went, mask=ok, other=0.0), rcols,
-                                          False)
+                rows, retrieved = _gather(
+                    _row_base(bank_p, src_p, fw, n, SOURCE) + s * D,
+                    ok,
+                    tl.load(gather_w + went, mask=ok, other=0.0),
+                    rcols,
+                    False,
+                )
                 rent, rm = entry_offsets(tok, tok_ok, R, RP)
                 q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
                 fr = _first_chunks(first_p, q, qok, SOURCE)
-                qrows, inter = _gather(_row_base(bank_p, src_p, fr, n, SOURCE)
-                                       + q * D, qok,
-                                       tl.load(gather_r + rent, mask=qok, other=0.0), rcols,
-                                       False)
+                qrows, inter = _gather(
+                    _row_base(bank_p, src_p, fr, n, SOURCE) + q * D,
+                    qok,
+                    tl.load(gather_r + rent, mask=qok, other=0.0),
+                    rcols,
+                    False,
+                )
                 if SNAPSHOT:
-                    _store_snapshot(snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows,
-                                    wm, c0, rcols, D, BD, MODE)
-                    _store_snapshot(snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qrows,
-                                    rm, c0, rcols, D, BD, MODE)
-                vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                             other=0.0).to(tl.float32)
-                tl.store(res + tok[:, None] * D + cols[None, :], vv - retrieved,
-                         mask=tok_ok[:, None])
+                    _store_snapshot(
+                        snap,
+                        snap_scale,
+                        snapshot_entries(tok, 0, W + R, WP),
+                        rows,
+                        wm,
+                        c0,
+                        rcols,
+                        D,
+                        BD,
+                        MODE,
+                    )
+                    _store_snapshot(
+                        snap,
+                        snap_scale,
+                        snapshot_entries(tok, W, W + R, RP),
+                        qrows,
+                        rm,
+                        c0,
+                        rcols,
+                        D,
+                        BD,
+                        MODE,
+                    )
+                vv = tl.load(
+                    v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
+                ).to(tl.float32)
+                tl.store(
+                    res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None]
+                )
                 tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
             tl.debug_barrier()
             # (2) Dual matmul: delta = X u, out = inter + QX u, each RB rows of X and QX in
@@ -355,8 +468,9 @@ def _recurrence_fwd_kernel(
                     ki = kb + tl.arange(0, KB)
                     tok_k, ok_k = token_rows(tok0, h, H, count, ki)
                     bk = tl.load(beta + tok_k, mask=ok_k, other=0.0).to(tl.float32)
-                    uk = bk[:, None] * tl.load(res + tok_k[:, None] * D + cols[None, :],
-                                               mask=ok_k[:, None], other=0.0)
+                    uk = bk[:, None] * tl.load(
+                        res + tok_k[:, None] * D + cols[None, :], mask=ok_k[:, None], other=0.0
+                    )
                     xo = x_base + ri[:, None] * C + ki[None, :]
                     dl = tl.dot(tl.load(X + xo), uk, dl, input_precision="ieee")
                     qx = tl.dot(tl.load(QX + xo), uk, qx, input_precision="ieee")
@@ -364,8 +478,9 @@ def _recurrence_fwd_kernel(
                 ok_r = ok_r[:, None]
                 o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
                 tl.store(delta + tok_r[:, None] * D + cols[None, :], dl, mask=ok_r)
-                tl.store(out + tok_r[:, None] * D + cols[None, :], o.to(out.dtype.element_ty),
-                         mask=ok_r)
+                tl.store(
+                    out + tok_r[:, None] * D + cols[None, :], o.to(out.dtype.element_ty), mask=ok_r
+                )
             tl.debug_barrier()
             # (3) Decay and write, pass by pass over the entries' rank within their slot.
             for k in range(0, npass):
@@ -377,14 +492,18 @@ def _recurrence_fwd_kernel(
                     rk = tl.load(rank + went, mask=ok, other=-1)
                     mine = ok & (rk == k)
                     sw = tl.load(scatter_w + went, mask=mine, other=0.0)
-                    dl = tl.load(delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None],
-                                 other=0.0)
+                    dl = tl.load(
+                        delta + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
+                    )
                     ptr = bank_p + s[:, :, None] * D + rcols[None, None, :]
                     # A row's first write (k = 0) reads it where the gathers did.
                     fw = _first_chunks(first_p, s, mine & (k == 0), SOURCE)
                     src = _row_base(bank_p, src_p, tl.where(k == 0, fw, -1), n, SOURCE)
-                    rows = tl.load(src[:, :, None] + s[:, :, None] * D + rcols[None, None, :],
-                                   mask=mine[:, :, None], other=0.0).to(tl.float32)
+                    rows = tl.load(
+                        src[:, :, None] + s[:, :, None] * D + rcols[None, None, :],
+                        mask=mine[:, :, None],
+                        other=0.0,
+                    ).to(tl.float32)
                     term = sw[:, :, None] * dl[:, None, :]
                     if k == 0:
                         rd = tl.load(row_decay + went, mask=mine, other=1.0)
@@ -396,8 +515,20 @@ def _recurrence_fwd_kernel(
 
 
 @triton.jit
-def _out_kernel(QX, beta, res, inter, out, chunks, T, H, D: tl.constexpr, C: tl.constexpr,
-                BK: tl.constexpr, VARLEN: tl.constexpr):
+def _out_kernel(
+    QX,
+    beta,
+    res,
+    inter,
+    out,
+    chunks,
+    T,
+    H,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
     """out = inter + QX u (u = beta res) for one chunk (or chunk slot) and stream over all D
     columns, BK at a time, after the one-tile walk without a snapshot stored res and inter. The
     product in tf32x3 (three tensor-core products, about float32's accuracy: the numerical
@@ -415,8 +546,9 @@ def _out_kernel(QX, beta, res, inter, out, chunks, T, H, D: tl.constexpr, C: tl.
     ci = tl.arange(0, C)
     tok, ok = token_rows(tok0, h, H, count, ci)
     bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
-    qx = tl.load(QX + (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
-                 + ci[:, None] * C + ci[None, :])
+    qx = tl.load(
+        QX + (p.to(tl.int64) * tl.num_programs(0) + n) * C * C + ci[:, None] * C + ci[None, :]
+    )
     for k0 in range(0, D, BK):
         kc = k0 + tl.arange(0, BK)
         off = tok[:, None] * D + kc[None, :]
@@ -445,9 +577,30 @@ def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.
     return bank_dtype == torch.float32 and streams * (D // BLOCK_D) <= sms
 
 
-def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                   rank, X, QX, bank, out, res, delta, snap, snap_scale, snapshot: str | None,
-                   chunks=None, seq_chunks=None, source=None, first=None) -> None:
+def recurrence_fwd(
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    X,
+    QX,
+    bank,
+    out,
+    res,
+    delta,
+    snap,
+    snap_scale,
+    snapshot: str | None,
+    chunks=None,
+    seq_chunks=None,
+    source=None,
+    first=None,
+) -> None:
     """Launch phase 2 over every chunk; ``bank`` is updated in place. ``snapshot`` None skips
     the snapshot (in-place inference), and then ``res`` and ``delta`` may be None: they are
     allocated here only if the chunks go in tiles (as scratch). With a ``source`` bank
@@ -458,7 +611,7 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
     S = bank.shape[-2]
-    streams = bank.shape[0] * H         # B * H, or N * H for a packed batch
+    streams = bank.shape[0] * H  # B * H, or N * H for a packed batch
     if streams * T == 0:
         return
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
@@ -480,15 +633,51 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
     mode = SNAP_CODES["none" if snapshot is None else snapshot]
     varlen = chunks is not None
     wrap_triton(_recurrence_fwd_kernel)[(streams * (D // BLOCK_D),)](
-        v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-        X, QX, bank, out, res, delta, scratch,
-        bank if snapshot is None else snap, gather_w if snapshot is None else snap_scale,
-        chunks if varlen else rank, seq_chunks if varlen else rank,
-        bank if source is None else source, rank if first is None else first, inter,
-        T, H, S, X.shape[2], H if source is not None and source.dim() == 3 else streams,
-        D=D, W=W, R=R, WP=wp, RP=rp, C=C, TB=tb, BD=BLOCK_D, RB=min(C, _ROWS), KB=min(C, _ROWS),
-        MODE=mode, SNAPSHOT=snapshot is not None, VARLEN=varlen, SOURCE=source is not None,
-        OUT_WALK=out_walk, num_warps=_NUM_WARPS)
+        v,
+        beta,
+        write_idx,
+        read_idx,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        X,
+        QX,
+        bank,
+        out,
+        res,
+        delta,
+        scratch,
+        bank if snapshot is None else snap,
+        gather_w if snapshot is None else snap_scale,
+        chunks if varlen else rank,
+        seq_chunks if varlen else rank,
+        bank if source is None else source,
+        rank if first is None else first,
+        inter,
+        T,
+        H,
+        S,
+        X.shape[2],
+        H if source is not None and source.dim() == 3 else streams,
+        D=D,
+        W=W,
+        R=R,
+        WP=wp,
+        RP=rp,
+        C=C,
+        TB=tb,
+        BD=BLOCK_D,
+        RB=min(C, _ROWS),
+        KB=min(C, _ROWS),
+        MODE=mode,
+        SNAPSHOT=snapshot is not None,
+        VARLEN=varlen,
+        SOURCE=source is not None,
+        OUT_WALK=out_walk,
+        num_warps=_NUM_WARPS,
+    )
     if out_after:
         N, P = chunk_grid(B, T, H, C, chunks)
         # All of out's columns in one step up to 64 of them (the reference shape's, as timed),
@@ -498,5 +687,18 @@ def recurrence_fwd(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, 
         # where the default software pipelining of the steps spilled up to 752 bytes.
         bk = D if D <= 64 and C * D <= _OUT_TILE else min(D, _OUT_TILE // 2 // C)
         wrap_triton(_out_kernel)[(N, P)](
-            QX, beta, res, inter, out, chunks if varlen else rank, T, H, D=D, C=C, BK=bk,
-            VARLEN=varlen, num_warps=_OUT_WARPS * max(1, C // 64), num_stages=1)
+            QX,
+            beta,
+            res,
+            inter,
+            out,
+            chunks if varlen else rank,
+            T,
+            H,
+            D=D,
+            C=C,
+            BK=bk,
+            VARLEN=varlen,
+            num_warps=_OUT_WARPS * max(1, C // 64),
+            num_stages=1,
+        )

@@ -26,18 +26,28 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-_BS = 128       # slots per program
-_BN = 64        # sequences per step of the walk
+_BS = 128  # slots per program
+_BN = 64  # sequences per step of the walk
 
 
 @triton.jit
-def _varlen_chunks_kernel(cu_seqlens, chunks, seq_chunks, T, N, NC, stride_cu,
-                          C: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+def _varlen_chunks_kernel(
+    cu_seqlens,
+    chunks,
+    seq_chunks,
+    T,
+    N,
+    NC,
+    stride_cu,
+    C: tl.constexpr,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+):
     pid = tl.program_id(0)
     slot = pid * BS + tl.arange(0, BS).to(tl.int64)
     start = tl.zeros([BS], dtype=tl.int64)
     count = tl.zeros([BS], dtype=tl.int64)
-    taken = tl.zeros([BN], dtype=tl.int64)      # slots of the sequences walked so far
+    taken = tl.zeros([BN], dtype=tl.int64)  # slots of the sequences walked so far
     for n0 in range(0, N, BN):
         n = n0 + tl.arange(0, BN)
         live = n < N
@@ -47,7 +57,7 @@ def _varlen_chunks_kernel(cu_seqlens, chunks, seq_chunks, T, N, NC, stride_cu,
         hi = tl.minimum(tl.maximum(hi, 0), T)
         length = tl.where(live, tl.maximum(hi - lo, 0), 0)
         k = (length + C - 1) // C
-        end = taken + tl.cumsum(k, 0)           # one past each sequence's last slot
+        end = taken + tl.cumsum(k, 0)  # one past each sequence's last slot
         first = end - k
         if pid == 0:
             tl.store(seq_chunks + 1 + n, tl.minimum(end, NC), mask=live)
@@ -63,10 +73,25 @@ def _varlen_chunks_kernel(cu_seqlens, chunks, seq_chunks, T, N, NC, stride_cu,
         tl.store(seq_chunks, tl.zeros([], dtype=tl.int64))
 
 
-def varlen_chunks(cu_seqlens: torch.Tensor, T: int, chunk_size: int, chunks: torch.Tensor,
-                  seq_chunks: torch.Tensor) -> None:
+def varlen_chunks(
+    cu_seqlens: torch.Tensor,
+    T: int,
+    chunk_size: int,
+    chunks: torch.Tensor,
+    seq_chunks: torch.Tensor,
+) -> None:
     """Fill ``chunks`` [NC, 2] and ``seq_chunks`` [N + 1] (int64) from ``cu_seqlens``."""
     NC, N = chunks.shape[0], cu_seqlens.shape[0] - 1
     wrap_triton(_varlen_chunks_kernel)[(triton.cdiv(NC, _BS),)](
-        cu_seqlens, chunks, seq_chunks, T, N, NC, cu_seqlens.stride(0), C=chunk_size, BS=_BS,
-        BN=_BN, num_warps=4)
+        cu_seqlens,
+        chunks,
+        seq_chunks,
+        T,
+        N,
+        NC,
+        cu_seqlens.stride(0),
+        C=chunk_size,
+        BS=_BS,
+        BN=_BN,
+        num_warps=4,
+    )

@@ -223,8 +223,9 @@ def _bwd_row_kernel(A, Beta, X, dQX, W, dA, dBeta, dQK, C: tl.constexpr):
     tl.store(dBeta + n * C + rows, db, mask=rows < C)
 
 
-def wy_solve_fwd(A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch.Tensor,
-                 QX: torch.Tensor) -> None:
+def wy_solve_fwd(
+    A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch.Tensor, QX: torch.Tensor
+) -> None:
     """Fill X = (I + tril(beta A, -1))^-1 and QX = tril(QK) X; shapes and layout as above."""
     n, c = A.shape[0], A.shape[1]
     if n == 0 or c == 0:
@@ -233,13 +234,22 @@ def wy_solve_fwd(A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch
     warps, stages = _DIAG_CONFIG
     wrap_triton(_fwd_diag_kernel)[grid](A, beta, X, C=c, num_warps=warps, num_stages=stages)
     warps, stages = _PANEL_CONFIG
-    wrap_triton(_fwd_panel_kernel)[grid](A, beta, QK, X, QX, C=c, num_warps=warps,
-                                         num_stages=stages)
+    wrap_triton(_fwd_panel_kernel)[grid](
+        A, beta, QK, X, QX, C=c, num_warps=warps, num_stages=stages
+    )
 
 
-def wy_solve_bwd(A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch.Tensor,
-                 dX: torch.Tensor, dQX: torch.Tensor, dA: torch.Tensor, dbeta: torch.Tensor,
-                 dQK: torch.Tensor) -> None:
+def wy_solve_bwd(
+    A: torch.Tensor,
+    beta: torch.Tensor,
+    QK: torch.Tensor,
+    X: torch.Tensor,
+    dX: torch.Tensor,
+    dQX: torch.Tensor,
+    dA: torch.Tensor,
+    dbeta: torch.Tensor,
+    dQK: torch.Tensor,
+) -> None:
     """Fill dA, dbeta, dQK, the gradients of ``wy_solve_fwd`` given X and (dX, dQX)."""
     n, c = A.shape[0], A.shape[1]
     if n == 0 or c == 0:
@@ -247,8 +257,10 @@ def wy_solve_bwd(A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch
     grid = (n, triton.cdiv(c, TILE))
     w_scratch = X.new_empty(X.shape)
     warps, stages = _PANEL_CONFIG
-    wrap_triton(_bwd_panel_kernel)[grid](QK, X, dX, dQX, dA, w_scratch, C=c, num_warps=warps,
-                                         num_stages=stages)
+    wrap_triton(_bwd_panel_kernel)[grid](
+        QK, X, dX, dQX, dA, w_scratch, C=c, num_warps=warps, num_stages=stages
+    )
     warps, stages = _ROW_CONFIG
-    wrap_triton(_bwd_row_kernel)[grid](A, beta, X, dQX, w_scratch, dA, dbeta, dQK, C=c,
-                                       num_warps=warps, num_stages=stages)
+    wrap_triton(_bwd_row_kernel)[grid](
+        A, beta, X, dQX, w_scratch, dA, dbeta, dQK, C=c, num_warps=warps, num_stages=stages
+    )

@@ -12,6 +12,7 @@ def product_key_topk_fake(raw: Tensor, factors: list[int], k: int) -> tuple[Tens
     return raw.new_empty(shape), raw.new_empty(shape, dtype=torch.int64)
 
 
-def product_key_topk_backward_fake(lin: Tensor, grad_val: Tensor, factors: list[int],
-                                   dtype: torch.dtype) -> Tensor:
+def product_key_topk_backward_fake(
+    lin: Tensor, grad_val: Tensor, factors: list[int], dtype: torch.dtype
+) -> Tensor:
     return grad_val.new_empty((*lin.shape[:-1], sum(factors)), dtype=dtype)

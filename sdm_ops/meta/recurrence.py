@@ -29,7 +29,7 @@ def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, E: int, D: 
         return rows, torch.bfloat16, (0,)
     scales = (B, T, H, E, D // QUANT_GROUP)
     if mode == "fp8":
-        return rows, torch.uint8, scales      # float8_e4m3fn bit patterns
+        return rows, torch.uint8, scales  # float8_e4m3fn bit patterns
     return (B, T, H, E, D // 2), torch.uint8, scales
 
 
@@ -41,8 +41,10 @@ def bank_copy_fake(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
 def varlen_chunks_fake(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
     """``chunks`` [ceil(T / C) + N, 2] and ``seq_chunks`` [N + 1], int64, for N sequences."""
     slots = (T + chunk_size - 1) // chunk_size + cu_seqlens.shape[0] - 1
-    return (cu_seqlens.new_empty((slots, 2), dtype=torch.int64),
-            cu_seqlens.new_empty((cu_seqlens.shape[0],), dtype=torch.int64))
+    return (
+        cu_seqlens.new_empty((slots, 2), dtype=torch.int64),
+        cu_seqlens.new_empty((cu_seqlens.shape[0],), dtype=torch.int64),
+    )
 
 
 def chunk_slots(B: int, T: int, C: int, chunks: Tensor | None) -> tuple[int, int]:
@@ -51,8 +53,9 @@ def chunk_slots(B: int, T: int, C: int, chunks: Tensor | None) -> tuple[int, int
     return (B, (T + C - 1) // C) if chunks is None else (1, chunks.shape[0])
 
 
-def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size,
-                       chunks=None, seq_chunks=None):
+def chunk_prepare_fake(
+    write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks=None, seq_chunks=None
+):
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     C = chunk_size
@@ -60,14 +63,36 @@ def chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, c
     wd = weight_dtype(write_w, read_w, decay)
     a = write_w.new_empty((lead, H, N, C, C), dtype=wd)
     e = write_w.new_empty((B, T, H, W), dtype=wd)
-    return (a, a.new_empty(a.shape), e, write_w.new_empty((B, T, H, R), dtype=wd),
-            e.new_empty(e.shape), e.new_empty(e.shape),
-            write_idx.new_empty((B, T, H, W), dtype=torch.int32),
-            write_idx.new_empty((B, T, H, R), dtype=torch.int32))
+    return (
+        a,
+        a.new_empty(a.shape),
+        e,
+        write_w.new_empty((B, T, H, R), dtype=wd),
+        e.new_empty(e.shape),
+        e.new_empty(e.shape),
+        write_idx.new_empty((B, T, H, W), dtype=torch.int32),
+        write_idx.new_empty((B, T, H, R), dtype=torch.int32),
+    )
 
 
-def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay,
-                        rank, read_rank, X, QX, bank, snapshot, chunks=None, seq_chunks=None):
+def recurrence_fwd_fake(
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    X,
+    QX,
+    bank,
+    snapshot,
+    chunks=None,
+    seq_chunks=None,
+):
     B, T, H, D = v.shape
     banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
     S = bank.shape[-2]
@@ -75,13 +100,32 @@ def recurrence_fwd_fake(v, beta, write_idx, read_idx, gather_w, gather_r, scatte
     wd = weight_dtype(v, bank, gather_w)
     rows, rows_dtype, scales = snapshot_layout(snapshot, bank, B, T, H, E, D)
     t = v.new_empty((B, T, H, D), dtype=wd)
-    return (v.new_empty((B, T, H, D)), bank.new_empty((banks, H, S, D)),
-            bank.new_empty(rows, dtype=rows_dtype), bank.new_empty(scales, dtype=torch.float32),
-            t, t.new_empty(t.shape))
+    return (
+        v.new_empty((B, T, H, D)),
+        bank.new_empty((banks, H, S, D)),
+        bank.new_empty(rows, dtype=rows_dtype),
+        bank.new_empty(scales, dtype=torch.float32),
+        t,
+        t.new_empty(t.shape),
+    )
 
 
-def recurrence_fwd_inplace_fake(bank, v, beta, write_idx, read_idx, gather_w, gather_r, scatter_w,
-                                row_decay, rank, X, QX, chunks=None, seq_chunks=None):
+def recurrence_fwd_inplace_fake(
+    bank,
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    X,
+    QX,
+    chunks=None,
+    seq_chunks=None,
+):
     return v.new_empty(v.shape)
 
 
@@ -89,29 +133,83 @@ def decode_step_fake(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=
     return v.new_empty(v.shape)
 
 
-def recurrence_bwd_fake(beta, write_idx, read_idx, gather_w, gather_r, scatter_w, row_decay, rank,
-                        read_rank, X, QX, res, delta, bank_rows, snap, snap_scale, snapshot, dout,
-                        dbank_out, v_dtype, chunks=None, seq_chunks=None):
+def recurrence_bwd_fake(
+    beta,
+    write_idx,
+    read_idx,
+    gather_w,
+    gather_r,
+    scatter_w,
+    row_decay,
+    rank,
+    read_rank,
+    X,
+    QX,
+    res,
+    delta,
+    bank_rows,
+    snap,
+    snap_scale,
+    snapshot,
+    dout,
+    dbank_out,
+    v_dtype,
+    chunks=None,
+    seq_chunks=None,
+):
     B, T, H, D = res.shape
     banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
     wd = res.dtype
-    return (res.new_empty((B, T, H, D), dtype=v_dtype), res.new_empty((B, T, H), dtype=wd),
-            *(x.new_empty(x.shape, dtype=wd)
-              for x in (gather_w, gather_r, scatter_w, row_decay, X, QX)),
-            res.new_empty((banks, H, bank_rows, D), dtype=wd))
+    return (
+        res.new_empty((B, T, H, D), dtype=v_dtype),
+        res.new_empty((B, T, H), dtype=wd),
+        *(
+            x.new_empty(x.shape, dtype=wd)
+            for x in (gather_w, gather_r, scatter_w, row_decay, X, QX)
+        ),
+        res.new_empty((banks, H, bank_rows, D), dtype=wd),
+    )
 
 
-def chunk_prepare_backward_fake(write_idx, write_w, read_idx, read_w, decay, bank_rows, dA, dQK,
-                                d_gather_w, d_gather_r, d_scatter_w, d_row_decay, chunks=None,
-                                seq_chunks=None):
+def chunk_prepare_backward_fake(
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    decay,
+    bank_rows,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    chunks=None,
+    seq_chunks=None,
+):
     wd = weight_dtype(write_w, read_w, decay)
-    return (write_w.new_empty(write_w.shape, dtype=wd), read_w.new_empty(read_w.shape, dtype=wd),
-            write_w.new_empty(write_w.shape if decay is not None else (0,), dtype=wd))
+    return (
+        write_w.new_empty(write_w.shape, dtype=wd),
+        read_w.new_empty(read_w.shape, dtype=wd),
+        write_w.new_empty(write_w.shape if decay is not None else (0,), dtype=wd),
+    )
 
 
-def sparse_delta_memory_fake(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
-                             chunk_size=64, snapshot="none", cu_seqlens=None, *,
-                             keep_for_backward=True):
+def sparse_delta_memory_fake(
+    v,
+    beta,
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    bank,
+    decay=None,
+    chunk_size=64,
+    snapshot="none",
+    cu_seqlens=None,
+    *,
+    keep_for_backward=True,
+):
     """(out, bank_out, kept): ``kept`` as the operator's body fills it (``ops.KEPT_FOR_BACKWARD``
     and, for a packed batch, the chunk tables), from the fakes of the operators it runs; empty
     without ``keep_for_backward``."""
@@ -120,18 +218,21 @@ def sparse_delta_memory_fake(v, beta, write_idx, write_w, read_idx, read_w, bank
         banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return v.new_empty(v.shape), bank_copy_fake(bank, banks), []
     tables = (None, None) if cu_seqlens is None else varlen_chunks_fake(cu_seqlens, T, chunk_size)
-    prep = chunk_prepare_fake(write_idx, write_w, read_idx, read_w, decay, bank.shape[-2],
-                              chunk_size, *tables)
+    prep = chunk_prepare_fake(
+        write_idx, write_w, read_idx, read_w, decay, bank.shape[-2], chunk_size, *tables
+    )
     A = prep[0]
     X, QX = A.new_empty(A.shape), A.new_empty(A.shape)
-    out, bank_out, *saved = recurrence_fwd_fake(v, beta, write_idx, read_idx, *prep[2:], X, QX,
-                                                bank, snapshot, *tables)
+    out, bank_out, *saved = recurrence_fwd_fake(
+        v, beta, write_idx, read_idx, *prep[2:], X, QX, bank, snapshot, *tables
+    )
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
         kept += tables
     return out, bank_out, kept
 
 
-def sparse_delta_memory_inplace_fake(v, beta, write_idx, write_w, read_idx, read_w, bank,
-                                     decay=None, chunk_size=64, cu_seqlens=None):
+def sparse_delta_memory_inplace_fake(
+    v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, chunk_size=64, cu_seqlens=None
+):
     return v.new_empty(v.shape)

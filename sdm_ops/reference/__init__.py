@@ -23,29 +23,29 @@ constants live in :mod:`sdm_ops.layout`.
 from ..layout import FP8_MAX, INT4_MAX, QUANT_GROUP, SNAPSHOT_MODES, ChunkWeights, Prepared
 from ._common import compute_dtype, from_streams, to_streams
 from .chunked import (
-                      chunk_prepare_backward_reference,
-                      chunk_prepare_reference,
-                      chunk_weights,
-                      dequantize_rows,
-                      quantize_rows,
-                      recurrence_bwd_reference,
-                      recurrence_fwd_reference,
-                      sdm_chunked_reference,
+    chunk_prepare_backward_reference,
+    chunk_prepare_reference,
+    chunk_weights,
+    dequantize_rows,
+    quantize_rows,
+    recurrence_bwd_reference,
+    recurrence_fwd_reference,
+    sdm_chunked_reference,
 )
 from .product_key import (
-                      product_key_topk_backward_reference,
-                      product_key_topk_bruteforce,
-                      product_key_topk_reference,
+    product_key_topk_backward_reference,
+    product_key_topk_bruteforce,
+    product_key_topk_reference,
 )
 from .token import decode_step_reference, sdm_token_reference
 from .varlen import (
-                      chunk_prepare_backward_varlen_reference,
-                      chunk_prepare_varlen_reference,
-                      recurrence_bwd_varlen_reference,
-                      recurrence_fwd_varlen_reference,
-                      sdm_varlen_reference,
-                      varlen_chunks,
-                      varlen_sequences,
+    chunk_prepare_backward_varlen_reference,
+    chunk_prepare_varlen_reference,
+    recurrence_bwd_varlen_reference,
+    recurrence_fwd_varlen_reference,
+    sdm_varlen_reference,
+    varlen_chunks,
+    varlen_sequences,
 )
 from .wy import wy_solve_backward_reference, wy_solve_reference
 

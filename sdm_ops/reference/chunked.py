@@ -24,17 +24,18 @@ from .wy import wy_solve_reference
 class _ChunkEntries(NamedTuple):
     """A chunk's entries flattened token-major (E = C * W write, Er = C * R read entries), with
     the slot-match matrices that phase 1 and its backward are built from."""
-    s_b: Tensor      # [P, E] write slots, -1 for padding
-    w_b: Tensor      # [P, E] write weights (0 for padding)
-    d_b: Tensor      # [P, E] decays (1 for padding)
-    s_r: Tensor      # [P, Er] read slots
-    w_r: Tensor      # [P, Er] read weights
+
+    s_b: Tensor  # [P, E] write slots, -1 for padding
+    w_b: Tensor  # [P, E] write weights (0 for padding)
+    d_b: Tensor  # [P, E] decays (1 for padding)
+    s_r: Tensor  # [P, Er] read slots
+    w_r: Tensor  # [P, Er] read weights
     ok_b: Tensor
     ok_r: Tensor
-    same: Tensor     # [P, E, E] write entries on one slot
-    rsame: Tensor    # [P, Er, E] read entry and write entry on one slot
-    slot: Tensor     # [P, C, W]
-    rslot: Tensor    # [P, C, R]
+    same: Tensor  # [P, E, E] write entries on one slot
+    rsame: Tensor  # [P, Er, E] read entry and write entry on one slot
+    slot: Tensor  # [P, C, W]
+    rslot: Tensor  # [P, C, R]
 
 
 def _chunk_entries(write_idx, write_w, read_idx, read_w, decay, s: int) -> _ChunkEntries:
@@ -64,18 +65,18 @@ def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkW
     tok_b, tok_r = tok.repeat_interleave(W), tok.repeat_interleave(R)
     one = torch.ones((), dtype=cd, device=slot.device)
     # dec_on[x, t]: decay that token t applies to the slot of entry x (product over its entries).
-    dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)       # [P, E, C]
-    rdec_on = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)    # [P, Er, C]
+    dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)  # [P, E, C]
+    rdec_on = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)  # [P, Er, C]
     # since[b, i] = Gamma_{i/j} on b's slot, j = b's token (1 for i <= j).
     since = torch.cumprod(torch.where(tok[None, None, :] > tok_b[None, :, None], dec_on, one), -1)
-    upto = torch.cumprod(dec_on, -1)                                                     # [P, E, C]
+    upto = torch.cumprod(dec_on, -1)  # [P, E, C]
     rupto = torch.cumprod(rdec_on, -1)
     gather_w = w_b * upto.gather(2, tok_b.expand(P, E)[..., None]).squeeze(-1)
     gather_r = w_r * rupto.gather(2, tok_r.expand(P, Er)[..., None]).squeeze(-1)
     scatter_w = w_b * since[..., C - 1]
     row_decay = upto[..., C - 1]
     # Pair terms: w_a w_b Gamma_{i/j} for entries a (token i) and b (token j) on one slot.
-    since_at_a = since.transpose(1, 2)[:, tok_b, :]                                # [P, E(a), E(b)]
+    since_at_a = since.transpose(1, 2)[:, tok_b, :]  # [P, E(a), E(b)]
     pair = torch.where(same, w_b[:, :, None] * w_b[:, None, :] * since_at_a, 0)
     A = torch.tril(pair.reshape(P, C, W, C, W).sum((2, 4)), -1)
     since_at_r = since.transpose(1, 2)[:, tok_r, :]
@@ -86,13 +87,23 @@ def chunk_weights(write_idx, write_w, read_idx, read_w, decay, s: int) -> ChunkW
     rearlier = torch.arange(Er, device=slot.device)
     rr = (s_r[:, :, None] == s_r[:, None, :]) & ok_r[:, :, None] & ok_r[:, None, :]
     read_rank = (rr & (rearlier[None, None, :] < rearlier[None, :, None])).sum(-1)
-    return ChunkWeights(A, QK, gather_w.reshape(P, C, W), gather_r.reshape(P, C, R),
-                        scatter_w.reshape(P, C, W), row_decay.reshape(P, C, W),
-                        rank.reshape(P, C, W), read_rank.reshape(P, C, R), slot, rslot)
+    return ChunkWeights(
+        A,
+        QK,
+        gather_w.reshape(P, C, W),
+        gather_r.reshape(P, C, R),
+        scatter_w.reshape(P, C, W),
+        row_decay.reshape(P, C, W),
+        rank.reshape(P, C, W),
+        read_rank.reshape(P, C, R),
+        slot,
+        rslot,
+    )
 
 
-def chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
-                            chunk_size: int, *, slab: int = 256) -> Prepared:
+def chunk_prepare_reference(
+    write_idx, write_w, read_idx, read_w, decay, bank_rows: int, chunk_size: int, *, slab: int = 256
+) -> Prepared:
     """Phase 1 (bank-free) for all chunks, ``slab`` chunks at a time (bounded memory)."""
     cd = compute_dtype(write_w, read_w, decay)
     B, T, H, W = write_idx.shape
@@ -102,27 +113,47 @@ def chunk_prepare_reference(write_idx, write_w, read_idx, read_w, decay, bank_ro
     ri = _chunked(to_streams(read_idx), C, -1)
     rw = _chunked(to_streams(read_w.to(cd)), C, 0)
     dc = None if decay is None else _chunked(to_streams(decay.to(cd)), C, 1)
-    parts = [chunk_weights(wi[i:i + slab], ww[i:i + slab], ri[i:i + slab], rw[i:i + slab],
-                           None if dc is None else dc[i:i + slab], bank_rows)
-             for i in range(0, wi.shape[0], slab)]
+    parts = [
+        chunk_weights(
+            wi[i : i + slab],
+            ww[i : i + slab],
+            ri[i : i + slab],
+            rw[i : i + slab],
+            None if dc is None else dc[i : i + slab],
+            bank_rows,
+        )
+        for i in range(0, wi.shape[0], slab)
+    ]
     cw = ChunkWeights(*(torch.cat(f, 0) if parts else None for f in zip(*parts))) if parts else None
     N = wi.shape[0] // max(P, 1) if P else 0
-    if cw is None:   # T == 0 (or no streams)
+    if cw is None:  # T == 0 (or no streams)
         z = torch.zeros(B, H, 0, C, C, dtype=cd, device=write_idx.device)
         e = write_w.new_zeros(B, T, H, W, dtype=cd)
         R = read_idx.shape[-1]
-        return Prepared(z, z.clone(), e, read_w.new_zeros(B, T, H, R, dtype=cd),
-                        e.clone(), e + 1,
-                        torch.zeros(B, T, H, W, dtype=torch.int32, device=e.device),
-                        torch.zeros(B, T, H, R, dtype=torch.int32, device=e.device))
+        return Prepared(
+            z,
+            z.clone(),
+            e,
+            read_w.new_zeros(B, T, H, R, dtype=cd),
+            e.clone(),
+            e + 1,
+            torch.zeros(B, T, H, W, dtype=torch.int32, device=e.device),
+            torch.zeros(B, T, H, R, dtype=torch.int32, device=e.device),
+        )
 
     def entries(x):
         return from_streams(_unchunked(x, P, T), B, H)
 
-    return Prepared(cw.A.reshape(B, H, N, C, C), cw.QK.reshape(B, H, N, C, C),
-                    entries(cw.gather_w), entries(cw.gather_r), entries(cw.scatter_w),
-                    entries(cw.row_decay), entries(cw.rank).to(torch.int32),
-                    entries(cw.read_rank).to(torch.int32))
+    return Prepared(
+        cw.A.reshape(B, H, N, C, C),
+        cw.QK.reshape(B, H, N, C, C),
+        entries(cw.gather_w),
+        entries(cw.gather_r),
+        entries(cw.scatter_w),
+        entries(cw.row_decay),
+        entries(cw.rank).to(torch.int32),
+        entries(cw.read_rank).to(torch.int32),
+    )
 
 
 def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:
@@ -166,8 +197,9 @@ def dequantize_rows(codes: Tensor, scale: Tensor, mode: str) -> Tensor:
     return g.reshape(x.shape)
 
 
-def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank,
-                             snapshot: str = "none"):
+def recurrence_fwd_reference(
+    v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank, snapshot: str = "none"
+):
     """Phase 2 (gathers, dual matmul, decay and write) for all chunks, given phase 1 and the
     WY solve (X, QX: [B, H, N, C, C]).
 
@@ -182,7 +214,7 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
     S = bank.shape[-2]
     P = B * H
     C = X.shape[-1]
-    M = bank.to(cd).expand(B, H, S, D).reshape(P, S, D).clone()     # never the input itself
+    M = bank.to(cd).expand(B, H, S, D).reshape(P, S, D).clone()  # never the input itself
     vs, bs = _chunked(to_streams(v.to(cd)), C, 0), _chunked(to_streams(beta.to(cd)), C, 0)
     slot = _chunked(to_streams(_entries(write_idx, write_idx, S)[0]), C, -1)
     rslot = _chunked(to_streams(_entries(read_idx, read_idx, S)[0]), C, -1)
@@ -220,16 +252,24 @@ def recurrence_fwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         return from_streams(_unchunked(x, P, T), B, H)
 
     rows = tokens(snaps, write_idx.shape[-1] + read_idx.shape[-1], D)
-    snap, snap_scale = quantize_rows(rows.to(torch.float32) if snapshot != "none" else rows,
-                                     snapshot)
+    snap, snap_scale = quantize_rows(
+        rows.to(torch.float32) if snapshot != "none" else rows, snapshot
+    )
     if snapshot == "none":
         snap = snap.to(bank.dtype if cd == torch.float32 else cd)
-    return (tokens(outs, D), M.reshape(B, H, S, D), snap, snap_scale, tokens(resids, D),
-            tokens(deltas, D))
+    return (
+        tokens(outs, D),
+        M.reshape(B, H, S, D),
+        snap,
+        snap_scale,
+        tokens(resids, D),
+        tokens(deltas, D),
+    )
 
 
-def sdm_chunked_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
-                          chunk_size: int = 64):
+def sdm_chunked_reference(
+    v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, chunk_size: int = 64
+):
     """The chunked form: phase 1, the WY solve and phase 2, vectorized over streams.
 
     v [B, T, H, D]; beta [B, T, H]; write_idx, write_w, decay [B, T, H, W]; read_idx, read_w
@@ -239,19 +279,42 @@ def sdm_chunked_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, d
     cd = compute_dtype(v, bank, write_w, read_w, beta, decay)
     B, T, H, _ = v.shape
     C = chunk_size
-    prep = chunk_prepare_reference(write_idx, write_w.to(cd), read_idx, read_w.to(cd),
-                                   None if decay is None else decay.to(cd), bank.shape[-2], C)
+    prep = chunk_prepare_reference(
+        write_idx,
+        write_w.to(cd),
+        read_idx,
+        read_w.to(cd),
+        None if decay is None else decay.to(cd),
+        bank.shape[-2],
+        C,
+    )
     N = prep.A.shape[2]
     betas = _chunked(to_streams(beta.to(cd)), C, 0) if T else beta.new_zeros(0, C, dtype=cd)
-    X, QX = wy_solve_reference(prep.A.reshape(-1, C, C), betas.reshape(-1, C),
-                               prep.QK.reshape(-1, C, C))
+    X, QX = wy_solve_reference(
+        prep.A.reshape(-1, C, C), betas.reshape(-1, C), prep.QK.reshape(-1, C, C)
+    )
     X, QX = X.reshape(B, H, N, C, C), QX.reshape(B, H, N, C, C)
     out, M = recurrence_fwd_reference(v, beta, write_idx, read_idx, prep, X, QX, bank)[:2]
     return out, M
 
 
-def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank_rows: int,
-                             snap, snap_scale, snapshot: str, res, delta, dout, dbank_out):
+def recurrence_bwd_reference(
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    prep: Prepared,
+    X,
+    QX,
+    bank_rows: int,
+    snap,
+    snap_scale,
+    snapshot: str,
+    res,
+    delta,
+    dout,
+    dbank_out,
+):
     """Backward of :func:`recurrence_fwd_reference`, walking the chunks in reverse.
 
     Every bank row it reads (the chunk-start row of each write and read entry) comes from
@@ -265,8 +328,11 @@ def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
     S = bank_rows
     P = B * H
     C = X.shape[-1]
-    dM = (torch.zeros(P, S, D, dtype=cd, device=v.device) if dbank_out is None
-          else dbank_out.to(cd).reshape(P, S, D).clone())
+    dM = (
+        torch.zeros(P, S, D, dtype=cd, device=v.device)
+        if dbank_out is None
+        else dbank_out.to(cd).reshape(P, S, D).clone()
+    )
     dout = torch.zeros(B, T, H, D, dtype=cd, device=v.device) if dout is None else dout.to(cd)
     rows = dequantize_rows(snap, snap_scale, snapshot).to(cd) if snapshot != "none" else snap.to(cd)
 
@@ -304,8 +370,10 @@ def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         dret = -bs[c][..., None] * du
         parts["dgw"][n] = (dret[:, :, None, :] * wrows).sum(-1)
         parts["dgr"][n] = (do[c][:, :, None, :] * rrows).sum(-1)
-        add = (torch.where(fr[..., None], (rd[c][..., None] - 1) * dm1, 0)
-               + gw[c][..., None] * dret[:, :, None, :])
+        add = (
+            torch.where(fr[..., None], (rd[c][..., None] - 1) * dm1, 0)
+            + gw[c][..., None] * dret[:, :, None, :]
+        )
         add = torch.where((flat >= 0)[..., None], add.reshape(P, -1, D), 0)
         dM = dM.scatter_add(1, flat.clamp(min=0)[..., None].expand(*flat.shape, D), add)
         rflat = rsl.reshape(P, -1)
@@ -320,14 +388,27 @@ def recurrence_bwd_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX
         return from_streams(_unchunked(x, P, T), B, H)
 
     W, R = write_idx.shape[-1], read_idx.shape[-1]
-    chunk = lambda name: (torch.stack(parts[name], 1).reshape(B, H, N, C, C) if N
-                          else v.new_zeros(B, H, 0, C, C, dtype=cd))
-    return (tokens("dv", D), tokens("dbeta"), tokens("dgw", W), tokens("dgr", R), tokens("dsw", W),
-            tokens("drd", W), chunk("dX"), chunk("dQX"), dM.reshape(B, H, S, D))
+    chunk = lambda name: (
+        torch.stack(parts[name], 1).reshape(B, H, N, C, C)
+        if N
+        else v.new_zeros(B, H, 0, C, C, dtype=cd)
+    )
+    return (
+        tokens("dv", D),
+        tokens("dbeta"),
+        tokens("dgw", W),
+        tokens("dgr", R),
+        tokens("dsw", W),
+        tokens("drd", W),
+        chunk("dX"),
+        chunk("dQX"),
+        dM.reshape(B, H, S, D),
+    )
 
 
-def _chunk_weights_backward(write_idx, write_w, read_idx, read_w, decay, s: int, dA, dQK,
-                            dgw, dgr, dsw, drd):
+def _chunk_weights_backward(
+    write_idx, write_w, read_idx, read_w, decay, s: int, dA, dQK, dgw, dgr, dsw, drd
+):
     """Explicit backward of :func:`chunk_weights` (inputs [P, C, W] / [P, C, R], dA and dQK
     [P, C, C]); the same algorithm as the phase-1 backward kernel: every decay product that
     contains a token's decay is split into the product before it and the product after it."""
@@ -343,10 +424,10 @@ def _chunk_weights_backward(write_idx, write_w, read_idx, read_w, decay, s: int,
     wsame = (s_b[:, :, None] == s_r[:, None, :]) & ok_b[:, :, None] & ok_r[:, None, :]  # [P, E, Er]
     one = torch.ones((), dtype=cd, device=dev)
 
-    def per_token(match, vals, n):      # [P, X, C * n] -> sum over a token's entries: [P, X, C]
+    def per_token(match, vals, n):  # [P, X, C * n] -> sum over a token's entries: [P, X, C]
         return torch.where(match, vals[:, None, :], 0).reshape(*match.shape[:2], C, n).sum(-1)
 
-    dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)        # [P, E, C]
+    dec_on = torch.where(same, d_b[:, None, :], one).reshape(P, E, C, W).prod(-1)  # [P, E, C]
     K = per_token(same, w_b, W)
     Q = per_token(wsame, w_r, R)
     Gs = per_token(same, dgw.reshape(P, E) * w_b, W) + per_token(wsame, dgr.reshape(P, Er) * w_r, R)
@@ -354,48 +435,66 @@ def _chunk_weights_backward(write_idx, write_w, read_idx, read_w, decay, s: int,
     Rd = per_token(same, drd.reshape(P, E), W).sum(-1)
     t_ = tok[None, None, :]
     te_ = te[None, :, None]
-    fwd = torch.cumprod(torch.where(t_ > te_, dec_on, one), -1)                          # (te, t]
+    fwd = torch.cumprod(torch.where(t_ > te_, dec_on, one), -1)  # (te, t]
     ub = torch.where(t_ < te_, dec_on, one).prod(-1)
     incl = torch.flip(torch.cumprod(torch.flip(torch.where(t_ < te_, dec_on, one), [-1]), -1), [-1])
-    back = torch.cat([incl[..., 1:], torch.ones_like(incl[..., :1])], -1)                # (j, te-1]
+    back = torch.cat([incl[..., 1:], torch.ones_like(incl[..., :1])], -1)  # (j, te-1]
     d_self = dec_on.gather(2, te.expand(P, E)[..., None]).squeeze(-1)
     me = torch.arange(E, device=dev)
     at_te = (te[None, :, None] == te[None, None, :]) & (me[None, :, None] != me[None, None, :])
     others = torch.where(same & at_te, d_b[:, None, :], one).prod(-1)
-    dA_col = dA.transpose(1, 2)[:, te, :]            # [P, E, C]: dA[t, te] over t
+    dA_col = dA.transpose(1, 2)[:, te, :]  # [P, E, C]: dA[t, te] over t
     dQK_col = dQK.transpose(1, 2)[:, te, :]
-    dA_row = dA[:, te, :]                            # [P, E, C]: dA[te, j] over j
+    dA_row = dA[:, te, :]  # [P, E, C]: dA[te, j] over j
     after, from_te, before = t_ > te_, t_ >= te_, t_ < te_
     fwd_end = fwd[..., C - 1]
-    dw = (torch.where(after, dA_col * fwd * K, 0).sum(-1)
-          + torch.where(from_te, dQK_col * fwd * Q, 0).sum(-1)
-          + dgw.reshape(P, E) * ub * d_self + dsw.reshape(P, E) * fwd_end
-          + d_self * torch.where(before, dA_row * K * back, 0).sum(-1))
+    dw = (
+        torch.where(after, dA_col * fwd * K, 0).sum(-1)
+        + torch.where(from_te, dQK_col * fwd * Q, 0).sum(-1)
+        + dgw.reshape(P, E) * ub * d_self
+        + dsw.reshape(P, E) * fwd_end
+        + d_self * torch.where(before, dA_row * K * back, 0).sum(-1)
+    )
     fwdK = torch.where(from_te, fwd * K, 0)
     fwdQ = torch.where(from_te, fwd * Q, 0)
-    Z = fwdK @ dA + fwdQ @ dQK                                                           # [P, E, C]
-    dd = (torch.where(before, Z * K * back, 0).sum(-1)
-          + fwd_end * torch.where(before, back * Gsw, 0).sum(-1)
-          + ub * (torch.where(from_te, fwd * Gs, 0).sum(-1) + fwd_end * Rd))
+    Z = fwdK @ dA + fwdQ @ dQK  # [P, E, C]
+    dd = (
+        torch.where(before, Z * K * back, 0).sum(-1)
+        + fwd_end * torch.where(before, back * Gsw, 0).sum(-1)
+        + ub * (torch.where(from_te, fwd * Gs, 0).sum(-1) + fwd_end * Rd)
+    )
     d_decay = torch.where(ok_b, dd * others, 0)
     dw = torch.where(ok_b, dw, 0)
     # Read entries.
-    rdec = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)       # [P, Er, C]
+    rdec = torch.where(rsame, d_b[:, None, :], one).reshape(P, Er, C, W).prod(-1)  # [P, Er, C]
     Kr = per_token(rsame, w_b, W)
     ti_ = ti[None, :, None]
     upto_r = t_ <= ti_
     rincl = torch.flip(torch.cumprod(torch.flip(torch.where(upto_r, rdec, one), [-1]), -1), [-1])
-    rback = torch.cat([rincl[..., 1:], torch.ones_like(rincl[..., :1])], -1)              # (j, i]
+    rback = torch.cat([rincl[..., 1:], torch.ones_like(rincl[..., :1])], -1)  # (j, i]
     rupto = torch.where(upto_r, rdec, one).prod(-1)
     dQK_row = dQK[:, ti, :]
-    drw = (torch.where(upto_r, dQK_row * Kr * rback, 0).sum(-1) + dgr.reshape(P, Er) * rupto)
+    drw = torch.where(upto_r, dQK_row * Kr * rback, 0).sum(-1) + dgr.reshape(P, Er) * rupto
     drw = torch.where(ok_r, drw, 0)
     return dw.reshape(P, C, W), drw.reshape(P, C, R), d_decay.reshape(P, C, W)
 
 
-def chunk_prepare_backward_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
-                                     dA, dQK, d_gather_w, d_gather_r, d_scatter_w, d_row_decay,
-                                     *, slab: int = 256):
+def chunk_prepare_backward_reference(
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    decay,
+    bank_rows: int,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    *,
+    slab: int = 256,
+):
     """Backward of :func:`chunk_prepare_reference`: (d_write_w, d_read_w, d_decay or None)."""
     cd = compute_dtype(write_w, read_w, decay)
     B, T, H, W = write_idx.shape
@@ -410,11 +509,23 @@ def chunk_prepare_backward_reference(write_idx, write_w, read_idx, read_w, decay
     dc = None if decay is None else ch(decay.to(cd), 1)
     gw, gr, sw, rd = (ch(x.to(cd), 0) for x in (d_gather_w, d_gather_r, d_scatter_w, d_row_decay))
     a, q = dA.to(cd).reshape(-1, C, C), dQK.to(cd).reshape(-1, C, C)
-    parts = [_chunk_weights_backward(wi[i:i + slab], ww[i:i + slab], ri[i:i + slab], rw[i:i + slab],
-                                     None if dc is None else dc[i:i + slab], bank_rows,
-                                     a[i:i + slab], q[i:i + slab], gw[i:i + slab], gr[i:i + slab],
-                                     sw[i:i + slab], rd[i:i + slab])
-             for i in range(0, wi.shape[0], slab)]
+    parts = [
+        _chunk_weights_backward(
+            wi[i : i + slab],
+            ww[i : i + slab],
+            ri[i : i + slab],
+            rw[i : i + slab],
+            None if dc is None else dc[i : i + slab],
+            bank_rows,
+            a[i : i + slab],
+            q[i : i + slab],
+            gw[i : i + slab],
+            gr[i : i + slab],
+            sw[i : i + slab],
+            rd[i : i + slab],
+        )
+        for i in range(0, wi.shape[0], slab)
+    ]
     if not parts:
         z = write_w.new_zeros(B, T, H, W, dtype=cd)
         return z, read_w.new_zeros(B, T, H, R, dtype=cd), (None if decay is None else z.clone())

@@ -29,8 +29,9 @@ def _candidate_pairs(kp: int, kf: int, k: int, device) -> tuple[Tensor, Tensor]:
     return pi, pj
 
 
-def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...],
-                               k: int) -> tuple[Tensor, Tensor]:
+def product_key_topk_reference(
+    raw: Tensor, factors: tuple[int, ...], k: int
+) -> tuple[Tensor, Tensor]:
     """Exact top-k over product keys, factor by factor (the CPU path of the operator).
 
     Same order and results as :func:`product_key_topk_bruteforce` (bitwise: the same float32
@@ -53,13 +54,13 @@ def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...],
     lead = raw.shape[:-1]
     rows = raw.reshape(-1, raw.shape[-1]).to(torch.float32)
     cols = torch.split(rows, list(factors), dim=-1)
-    lin = _best(cols[0], min(k, factors[0]))               # [n, kept], best first
+    lin = _best(cols[0], min(k, factors[0]))  # [n, kept], best first
     score = torch.gather(cols[0], 1, lin)
     for f in range(1, len(factors)):
-        col = _best(cols[f], min(k, factors[f]))           # factor f's best columns
+        col = _best(cols[f], min(k, factors[f]))  # factor f's best columns
         fval = torch.gather(cols[f], 1, col)
         pi, pj = _candidate_pairs(lin.shape[1], col.shape[1], k, rows.device)
-        cand = score[:, pi] + fval[:, pj]                  # float32, in factor order
+        cand = score[:, pi] + fval[:, pj]  # float32, in factor order
         keep = _best(cand, min(k, cand.shape[1]))
         score = torch.gather(cand, 1, keep)
         lin = torch.gather(lin[:, pi] * factors[f] + col[:, pj], 1, keep)
@@ -69,8 +70,9 @@ def product_key_topk_reference(raw: Tensor, factors: tuple[int, ...],
     return val.reshape(*lead, kk), lin.reshape(*lead, kk)
 
 
-def product_key_topk_bruteforce(raw: Tensor, factors: tuple[int, ...],
-                                k: int) -> tuple[Tensor, Tensor]:
+def product_key_topk_bruteforce(
+    raw: Tensor, factors: tuple[int, ...], k: int
+) -> tuple[Tensor, Tensor]:
     """Exact top-k over product keys by brute force: every slot of the product space is scored
     and ranked (memory and time grow with ``prod(factors)``; the oracle of the tests).
 
@@ -86,7 +88,7 @@ def product_key_topk_bruteforce(raw: Tensor, factors: tuple[int, ...],
     rows = raw.reshape(-1, raw.shape[-1]).to(torch.float32)
     cols = torch.split(rows, list(factors), dim=-1)
     n = rows.shape[0]
-    score = cols[0]                                    # [n, prefix slots]
+    score = cols[0]  # [n, prefix slots]
     rank = _rank(score, torch.zeros_like(score, dtype=torch.int64))
     for f in range(1, len(factors)):
         fac = cols[f]
@@ -113,8 +115,9 @@ def _rank(score: Tensor, tie: Tensor) -> Tensor:
     return rank
 
 
-def product_key_topk_backward_reference(lin: Tensor, grad_val: Tensor,
-                                        factors: tuple[int, ...]) -> Tensor:
+def product_key_topk_backward_reference(
+    lin: Tensor, grad_val: Tensor, factors: tuple[int, ...]
+) -> Tensor:
     """grad_raw [..., sum(factors)] float32: each selected slot adds its value gradient to the
     one column of each factor that it sums."""
     lead = lin.shape[:-1]

@@ -19,22 +19,23 @@ def sdm_token_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, dec
     M = bank.to(cd).expand(B, H, S, D).clone()
     outs = []
     for t in range(T):
-        slot, w, dec = _entries(write_idx[:, t], write_w[:, t].to(cd), S,
-                                None if decay is None else decay[:, t].to(cd))
+        slot, w, dec = _entries(
+            write_idx[:, t], write_w[:, t].to(cd), S, None if decay is None else decay[:, t].to(cd)
+        )
         rslot, rw, _ = _entries(read_idx[:, t], read_w[:, t].to(cd), S)
         k = torch.zeros(B, H, S, dtype=cd)
         d = torch.ones(B, H, S, dtype=cd)
         for j in range(slot.shape[-1]):
             hit = torch.nn.functional.one_hot(slot[..., j].clamp(min=0), S).to(torch.bool)
             hit &= (slot[..., j] >= 0)[..., None]
-            k = k + torch.where(hit, w[..., j:j + 1], 0)
+            k = k + torch.where(hit, w[..., j : j + 1], 0)
             if dec is not None:
-                d = d * torch.where(hit, dec[..., j:j + 1], 1)
+                d = d * torch.where(hit, dec[..., j : j + 1], 1)
         q = torch.zeros(B, H, S, dtype=cd)
         for j in range(rslot.shape[-1]):
             hit = torch.nn.functional.one_hot(rslot[..., j].clamp(min=0), S).to(torch.bool)
             hit &= (rslot[..., j] >= 0)[..., None]
-            q = q + torch.where(hit, rw[..., j:j + 1], 0)
+            q = q + torch.where(hit, rw[..., j : j + 1], 0)
         Mp = d[..., None] * M
         err = v[:, t].to(cd) - torch.einsum("bhs,bhsd->bhd", k, Mp)
         M = Mp + beta[:, t].to(cd)[..., None, None] * k[..., None] * err[..., None, :]
@@ -57,13 +58,14 @@ def decode_step_reference(bank, v, beta, write_idx, write_w, read_idx, read_w, d
     cd = compute_dtype(v, bank, write_w, read_w, beta, decay)
     B, _, H, D = v.shape
     S = bank.shape[-2]
-    slot, w, dec = _entries(write_idx[:, 0], write_w[:, 0].to(cd), S,
-                            None if decay is None else decay[:, 0].to(cd))       # [B, H, W]
-    rslot, rw, _ = _entries(read_idx[:, 0], read_w[:, 0].to(cd), S)              # [B, H, R]
+    slot, w, dec = _entries(
+        write_idx[:, 0], write_w[:, 0].to(cd), S, None if decay is None else decay[:, 0].to(cd)
+    )  # [B, H, W]
+    rslot, rw, _ = _entries(read_idx[:, 0], read_w[:, 0].to(cd), S)  # [B, H, R]
     if dec is None:
         dec = torch.ones_like(w)
 
-    def on_slot(x, y):          # [..., X, W]: entry of x and write entry of y on one slot
+    def on_slot(x, y):  # [..., X, W]: entry of x and write entry of y on one slot
         return (x[..., :, None] == y[..., None, :]) & (x[..., :, None] >= 0)
 
     same, hit = on_slot(slot, slot), on_slot(rslot, slot)

@@ -42,7 +42,7 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
     ends = torch.cumsum((lens + C - 1) // C, 0)
     seq_chunks = torch.cat([ends.new_zeros(1), ends]).clamp(max=NC)
     slot = torch.arange(NC, device=cu.device)
-    seq = torch.searchsorted(ends, slot, right=True)            # N for unused slots
+    seq = torch.searchsorted(ends, slot, right=True)  # N for unused slots
     used = seq < N
     seq = seq.clamp(max=N - 1)
     local = (slot - seq_chunks[seq]) * C
@@ -66,7 +66,7 @@ def varlen_sequences(chunks: Tensor, seq_chunks: Tensor) -> list[tuple[int, int,
 
 def _seq_bank(bank: Tensor, n: int) -> Tensor:
     """Sequence n's bank as [1, H, S, D] (a shared [H, S, D] bank serves every sequence)."""
-    return bank[None] if bank.dim() == 3 else bank[n:n + 1]
+    return bank[None] if bank.dim() == 3 else bank[n : n + 1]
 
 
 def _token_slice(prep: Prepared, tok: slice) -> Prepared:
@@ -74,8 +74,17 @@ def _token_slice(prep: Prepared, tok: slice) -> Prepared:
     return Prepared(None, None, *(None if x is None else x[:, tok] for x in prep[2:]))
 
 
-def chunk_prepare_varlen_reference(write_idx, write_w, read_idx, read_w, decay, bank_rows: int,
-                                   chunk_size: int, chunks: Tensor, seq_chunks: Tensor) -> Prepared:
+def chunk_prepare_varlen_reference(
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    decay,
+    bank_rows: int,
+    chunk_size: int,
+    chunks: Tensor,
+    seq_chunks: Tensor,
+) -> Prepared:
     """:func:`chunk_prepare_reference` of a packed batch, sequence by sequence."""
     cd = compute_dtype(write_w, read_w, decay)
     _, T, H, W = write_idx.shape
@@ -92,17 +101,34 @@ def chunk_prepare_varlen_reference(write_idx, write_w, read_idx, read_w, decay, 
         if n_tok == 0:
             continue
         tok = slice(t0, t0 + n_tok)
-        p = chunk_prepare_reference(write_idx[:, tok], write_w[:, tok], read_idx[:, tok],
-                                    read_w[:, tok], None if decay is None else decay[:, tok],
-                                    bank_rows, C)
-        A[:, :, c0:c0 + nc], QK[:, :, c0:c0 + nc] = p.A, p.QK
+        p = chunk_prepare_reference(
+            write_idx[:, tok],
+            write_w[:, tok],
+            read_idx[:, tok],
+            read_w[:, tok],
+            None if decay is None else decay[:, tok],
+            bank_rows,
+            C,
+        )
+        A[:, :, c0 : c0 + nc], QK[:, :, c0 : c0 + nc] = p.A, p.QK
         for dst, src in zip((gather_w, gather_r, scatter_w, row_decay, rank, read_rank), p[2:]):
             dst[:, tok] = src
     return Prepared(A, QK, gather_w, gather_r, scatter_w, row_decay, rank, read_rank)
 
 
-def recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank,
-                                    snapshot: str, chunks: Tensor, seq_chunks: Tensor):
+def recurrence_fwd_varlen_reference(
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    prep: Prepared,
+    X,
+    QX,
+    bank,
+    snapshot: str,
+    chunks: Tensor,
+    seq_chunks: Tensor,
+):
     """:func:`recurrence_fwd_reference` of a packed batch: bank [N, H, S, D] or [H, S, D]; the
     returned bank is [N, H, S, D]; an empty sequence returns its bank unchanged."""
     seqs = varlen_sequences(chunks, seq_chunks)
@@ -115,9 +141,17 @@ def recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
     for n, (t0, n_tok, c0, nc) in enumerate(seqs):
         tok = slice(t0, t0 + n_tok)
         sub = _token_slice(prep, tok)
-        r = recurrence_fwd_reference(v[:, tok], beta[:, tok], write_idx[:, tok], read_idx[:, tok],
-                                     sub, X[:, :, c0:c0 + nc], QX[:, :, c0:c0 + nc],
-                                     _seq_bank(bank, n), snapshot)
+        r = recurrence_fwd_reference(
+            v[:, tok],
+            beta[:, tok],
+            write_idx[:, tok],
+            read_idx[:, tok],
+            sub,
+            X[:, :, c0 : c0 + nc],
+            QX[:, :, c0 : c0 + nc],
+            _seq_bank(bank, n),
+            snapshot,
+        )
         if snap is None:
             snap = r[2].new_zeros(1, T, *r[2].shape[2:])
             scaled = snapshot in ("fp8", "int4")
@@ -129,9 +163,25 @@ def recurrence_fwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
     return out, bank_out, snap, snap_scale, res, delta
 
 
-def recurrence_bwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared, X, QX,
-                                    bank_rows: int, snap, snap_scale, snapshot: str, res, delta,
-                                    dout, dbank_out, chunks: Tensor, seq_chunks: Tensor):
+def recurrence_bwd_varlen_reference(
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    prep: Prepared,
+    X,
+    QX,
+    bank_rows: int,
+    snap,
+    snap_scale,
+    snapshot: str,
+    res,
+    delta,
+    dout,
+    dbank_out,
+    chunks: Tensor,
+    seq_chunks: Tensor,
+):
     """:func:`recurrence_bwd_reference` of a packed batch (dbank [N, H, S, D])."""
     cd = compute_dtype(v, X, prep.gather_w)
     _, T, H, D = v.shape
@@ -142,28 +192,54 @@ def recurrence_bwd_varlen_reference(v, beta, write_idx, read_idx, prep: Prepared
     dgw, dsw, drd = (v.new_zeros(1, T, H, W, dtype=cd) for _ in range(3))
     dgr, dQX = v.new_zeros(1, T, H, R, dtype=cd), torch.zeros_like(dX)
     banks = seq_chunks.shape[0] - 1
-    dbank = (torch.zeros(banks, H, bank_rows, D, dtype=cd, device=dev) if dbank_out is None
-             else dbank_out.to(cd).clone())
+    dbank = (
+        torch.zeros(banks, H, bank_rows, D, dtype=cd, device=dev)
+        if dbank_out is None
+        else dbank_out.to(cd).clone()
+    )
     for n, (t0, n_tok, c0, nc) in enumerate(varlen_sequences(chunks, seq_chunks)):
-        if n_tok == 0:      # the bank's gradient passes through
+        if n_tok == 0:  # the bank's gradient passes through
             continue
         tok, cs = slice(t0, t0 + n_tok), slice(c0, c0 + nc)
         sub = _token_slice(prep, tok)
         g = recurrence_bwd_reference(
-            v[:, tok], beta[:, tok], write_idx[:, tok], read_idx[:, tok], sub, X[:, :, cs],
-            QX[:, :, cs], bank_rows, snap[:, tok],
-            snap_scale[:, tok] if snap_scale.numel() else snap_scale, snapshot, res[:, tok],
-            delta[:, tok], None if dout is None else dout[:, tok],
-            None if dbank_out is None else dbank_out[n:n + 1])
+            v[:, tok],
+            beta[:, tok],
+            write_idx[:, tok],
+            read_idx[:, tok],
+            sub,
+            X[:, :, cs],
+            QX[:, :, cs],
+            bank_rows,
+            snap[:, tok],
+            snap_scale[:, tok] if snap_scale.numel() else snap_scale,
+            snapshot,
+            res[:, tok],
+            delta[:, tok],
+            None if dout is None else dout[:, tok],
+            None if dbank_out is None else dbank_out[n : n + 1],
+        )
         dv[:, tok], dbeta[:, tok], dgw[:, tok], dgr[:, tok], dsw[:, tok], drd[:, tok] = g[:6]
         dX[:, :, cs], dQX[:, :, cs], dbank[n] = g[6], g[7], g[8][0]
     return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
 
 
-def chunk_prepare_backward_varlen_reference(write_idx, write_w, read_idx, read_w, decay,
-                                            bank_rows: int, dA, dQK, d_gather_w, d_gather_r,
-                                            d_scatter_w, d_row_decay, chunks: Tensor,
-                                            seq_chunks: Tensor):
+def chunk_prepare_backward_varlen_reference(
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    decay,
+    bank_rows: int,
+    dA,
+    dQK,
+    d_gather_w,
+    d_gather_r,
+    d_scatter_w,
+    d_row_decay,
+    chunks: Tensor,
+    seq_chunks: Tensor,
+):
     """:func:`chunk_prepare_backward_reference` of a packed batch."""
     cd = compute_dtype(write_w, read_w, decay)
     dww = write_w.new_zeros(write_w.shape, dtype=cd)
@@ -174,26 +250,55 @@ def chunk_prepare_backward_varlen_reference(write_idx, write_w, read_idx, read_w
             continue
         tok, cs = slice(t0, t0 + n_tok), slice(c0, c0 + nc)
         g = chunk_prepare_backward_reference(
-            write_idx[:, tok], write_w[:, tok], read_idx[:, tok], read_w[:, tok],
-            None if decay is None else decay[:, tok], bank_rows, dA[:, :, cs], dQK[:, :, cs],
-            d_gather_w[:, tok], d_gather_r[:, tok], d_scatter_w[:, tok], d_row_decay[:, tok])
+            write_idx[:, tok],
+            write_w[:, tok],
+            read_idx[:, tok],
+            read_w[:, tok],
+            None if decay is None else decay[:, tok],
+            bank_rows,
+            dA[:, :, cs],
+            dQK[:, :, cs],
+            d_gather_w[:, tok],
+            d_gather_r[:, tok],
+            d_scatter_w[:, tok],
+            d_row_decay[:, tok],
+        )
         dww[:, tok], drw[:, tok] = g[0], g[1]
         if ddc is not None:
             ddc[:, tok] = g[2]
     return dww, drw, ddc
 
 
-def sdm_varlen_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, *,
-                         cu_seqlens: Tensor, chunk_size: int = 64):
+def sdm_varlen_reference(
+    v,
+    beta,
+    write_idx,
+    write_w,
+    read_idx,
+    read_w,
+    bank,
+    decay=None,
+    *,
+    cu_seqlens: Tensor,
+    chunk_size: int = 64,
+):
     """The oracle of a packed batch: :func:`sdm_chunked_reference` run on each sequence alone.
     Returns (out [1, T, H, D], bank [N, H, S, D]); differentiable."""
     outs, banks = [], []
     cu = cu_seqlens.tolist()
     for n in range(len(cu) - 1):
         tok = slice(cu[n], cu[n + 1])
-        o, m = sdm_chunked_reference(v[:, tok], beta[:, tok], write_idx[:, tok], write_w[:, tok],
-                                     read_idx[:, tok], read_w[:, tok], _seq_bank(bank, n),
-                                     None if decay is None else decay[:, tok], chunk_size)
+        o, m = sdm_chunked_reference(
+            v[:, tok],
+            beta[:, tok],
+            write_idx[:, tok],
+            write_w[:, tok],
+            read_idx[:, tok],
+            read_w[:, tok],
+            _seq_bank(bank, n),
+            None if decay is None else decay[:, tok],
+            chunk_size,
+        )
         outs.append(o)
         banks.append(m)
     return torch.cat(outs, 1), torch.cat(banks, 0)

@@ -21,8 +21,9 @@ def wy_solve_reference(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Ten
     return X, QX
 
 
-def wy_solve_backward_reference(A: Tensor, beta: Tensor, QK: Tensor, X: Tensor,
-                                dX: Tensor, dQX: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def wy_solve_backward_reference(
+    A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor, dQX: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`wy_solve_reference` given X and the output gradients.
 
     With M = I + L: dQK = tril(dQX X^T), dM = -X^T (dX + tril(QK)^T dQX) X^T, dA = beta * dM
