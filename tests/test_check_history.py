@@ -13,17 +13,18 @@ check_history = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check_history)
 
 
-@pytest.mark.parametrize(
-    "line,kind",
-    [
-        ("# 0.99 ms at 986e415, slower", "commit hash"),
-        ("see commit 2cb57a9c0ffee for why", "commit hash"),
-        ("measured on 2026-12-03", "date"),
-        ("# see PERF_NOTES 32", "run log"),
-        ("its figures are in GPU_RUNS.md", "run log"),
-        ('"""Phase 1 (SPEC section 2)."""', "outside document"),
-    ],
-)
+# The planted lines are assembled at run time so that this file itself carries none of them.
+PLANTED = [
+    ("# 0.99 ms at " + "986e" + "415, slower", "commit hash"),
+    ("see commit " + "2cb5" + "7a9" + "c0ffee for why", "commit hash"),
+    ("measured on " + "2026-" + "12-03", "date"),
+    ("# see " + "PERF_" + "NOTES 32", "run log"),
+    ("its figures are in " + "GPU_" + "RUNS.md", "run log"),
+    ('"""Phase 1 (' + "SPEC sec" + 'tion 2)."""', "outside document"),
+]
+
+
+@pytest.mark.parametrize("line,kind", PLANTED)
 def test_history_is_found(line, kind):
     hits = check_history.scan_text(f"x = 1\n{line}\n")
     assert hits == [(2, kind, line.strip())]
