@@ -130,7 +130,7 @@ def wy_solve_backward(
 
         dA, dbeta, dQK = A.new_empty(A.shape), beta.new_empty(beta.shape), A.new_empty(A.shape)
         with on_device(A):
-            k.wy_solve_bwd(A, beta, QK, X, dX, dQX, dA, dbeta, dQK)
+            k.wy_solve_bwd(A=A, beta=beta, QK=QK, X=X, dX=dX, dQX=dQX, dA=dA, dbeta=dbeta, dQK=dQK)
         return dA, dbeta, dQK
     return _wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
 
@@ -882,28 +882,28 @@ def recurrence_fwd(
             kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
             kc.bank_copy_unwritten(bank, bank_out, first)
             k.recurrence_fwd(
-                v,
-                beta,
-                write_idx,
-                read_idx,
-                gather_w,
-                gather_r,
-                scatter_w,
-                row_decay,
-                rank,
-                X,
-                QX,
-                bank_out,
-                out,
-                res,
-                delta,
-                snap,
-                snap_scale,
-                snapshot,
-                chunks,
-                seq_chunks,
-                bank,
-                first,
+                v=v,
+                beta=beta,
+                write_idx=write_idx,
+                read_idx=read_idx,
+                gather_w=gather_w,
+                gather_r=gather_r,
+                scatter_w=scatter_w,
+                row_decay=row_decay,
+                rank=rank,
+                X=X,
+                QX=QX,
+                bank=bank_out,
+                out=out,
+                res=res,
+                delta=delta,
+                snap=snap,
+                snap_scale=snap_scale,
+                snapshot=snapshot,
+                chunks=chunks,
+                seq_chunks=seq_chunks,
+                source=bank,
+                first=first,
             )
         return out, bank_out, snap, snap_scale, res, delta
     return _recurrence_fwd_reference(
@@ -989,26 +989,26 @@ def recurrence_fwd_(
         out = v.new_empty(v.shape)
         with on_device(v):
             k.recurrence_fwd(
-                v,
-                beta,
-                write_idx,
-                read_idx,
-                gather_w,
-                gather_r,
-                scatter_w,
-                row_decay,
-                rank,
-                X,
-                QX,
-                bank,
-                out,
-                None,
-                None,
-                None,
-                None,
-                None,
-                chunks,
-                seq_chunks,
+                v=v,
+                beta=beta,
+                write_idx=write_idx,
+                read_idx=read_idx,
+                gather_w=gather_w,
+                gather_r=gather_r,
+                scatter_w=scatter_w,
+                row_decay=row_decay,
+                rank=rank,
+                X=X,
+                QX=QX,
+                bank=bank,
+                out=out,
+                res=None,
+                delta=None,
+                snap=None,
+                snap_scale=None,
+                snapshot=None,
+                chunks=chunks,
+                seq_chunks=seq_chunks,
             )
         return out
     return _recurrence_fwd_inplace_reference(
@@ -1076,7 +1076,17 @@ def decode_step_(
 
         out = v.new_empty(v.shape)
         with on_device(v):
-            k.decode_step(bank, v, beta, write_idx, write_w, read_idx, read_w, decay, out)
+            k.decode_step(
+                bank=bank,
+                v=v,
+                beta=beta,
+                write_idx=write_idx,
+                write_w=write_w,
+                read_idx=read_idx,
+                read_w=read_w,
+                decay=decay,
+                out=out,
+            )
         return out
     return _decode_step_reference(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
 
@@ -1213,30 +1223,30 @@ def recurrence_bwd(
             else:
                 kc.bank_copy(dbank_out, dbank)
             dgw, dgr, dsw, drd = k.recurrence_bwd(
-                beta,
-                write_idx,
-                read_idx,
-                gather_w,
-                gather_r,
-                scatter_w,
-                row_decay,
-                rank,
-                read_rank,
-                X,
-                QX,
-                res,
-                delta,
-                snap,
-                snap_scale,
-                snapshot,
-                dout,
-                dbank,
-                dv,
-                dX,
-                dQX,
-                dbeta,
-                chunks,
-                seq_chunks,
+                beta=beta,
+                write_idx=write_idx,
+                read_idx=read_idx,
+                gather_w=gather_w,
+                gather_r=gather_r,
+                scatter_w=scatter_w,
+                row_decay=row_decay,
+                rank=rank,
+                read_rank=read_rank,
+                X=X,
+                QX=QX,
+                res=res,
+                delta=delta,
+                snap=snap,
+                snap_scale=snap_scale,
+                snapshot=snapshot,
+                dout=dout,
+                dbank=dbank,
+                dv=dv,
+                dX=dX,
+                dQX=dQX,
+                dbeta=dbeta,
+                chunks=chunks,
+                seq_chunks=seq_chunks,
             )
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
     return _recurrence_bwd_reference(
@@ -1355,22 +1365,22 @@ def chunk_prepare_backward(
         )
         with on_device(dA):
             k.chunk_prepare_bwd(
-                write_idx,
-                write_w,
-                read_idx,
-                read_w,
-                decay,
-                bank_rows,
-                dA,
-                dQK,
-                d_gather_w,
-                d_gather_r,
-                d_scatter_w,
-                d_row_decay,
-                dww,
-                None if decay is None else ddc,
-                drw,
-                chunks,
+                write_idx=write_idx,
+                write_w=write_w,
+                read_idx=read_idx,
+                read_w=read_w,
+                decay=decay,
+                bank_rows=bank_rows,
+                dA=dA,
+                dQK=dQK,
+                d_gather_w=d_gather_w,
+                d_gather_r=d_gather_r,
+                d_scatter_w=d_scatter_w,
+                d_row_decay=d_row_decay,
+                d_write_w=dww,
+                d_decay=None if decay is None else ddc,
+                d_read_w=drw,
+                chunks=chunks,
             )
         return dww, drw, ddc
     return _chunk_prepare_backward_reference(
