@@ -766,7 +766,7 @@ def test_every_operator_has_a_direct_opcheck_test():
         f"{ns}::{name}" for ns in (ops.PUBLIC, ops.INTERNAL) for name in registered_operators(ns)
     }
     with open(__file__) as f:
-        names = set(re.findall(r"\bopcheck\(ops\.(\w+),", f.read()))
+        names = set(re.findall(r"\bopcheck\(\s*ops\.(\w+),", f.read()))
     checked = {getattr(ops, name)._qualname for name in names}
     checked |= {reference_twin(q.split("::", 1)[1]) for q in checked} - {None}  # opcheck() does
     missing = registered - checked - set(OPCHECK_PENDING)
