@@ -26,8 +26,8 @@ PATTERNS = {
         r"[0-9a-f]{7,40}(?![0-9A-Za-z_])"
     ),
     "date": re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"),
-    "run log": re.compile(r"PERF_NOTES|GPU_RUNS"),
-    "outside document": re.compile(r"SPEC section|STYLE\.md|SPEC\.md"),
+    "run log": re.compile(r"PERF_NOTE[S]|GPU_RUN[S]"),
+    "outside document": re.compile(r"SPEC sectio[n]|STYLE\.md|SPEC\.md"),
 }
 
 
