@@ -34,7 +34,16 @@ def sdm_inputs(T: int, device: str, seed: int, **kwargs) -> dict:
 
 def run_sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
     return sdm_ops.sparse_delta_memory(
-        v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size=CHUNK
+        v,
+        beta,
+        write_idx,
+        write_w,
+        read_idx,
+        read_w,
+        bank,
+        decay,
+        chunk_size=CHUNK,
+        output_final_state=True,
     )
 
 
@@ -194,7 +203,9 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
     want = in_place_on_copy(a)
     src = a["bank"].clone()
     with torch.no_grad():
-        got = sdm_ops.sparse_delta_memory(*(a[k] for k in rest[:-1]), src, a["decay"])
+        got = sdm_ops.sparse_delta_memory(
+            *(a[k] for k in rest[:-1]), src, a["decay"], output_final_state=True
+        )
     src.fill_(float("nan"))
     for name, g, w in zip(("out", "bank"), got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m: f"eager {name}: {m}")
@@ -203,7 +214,7 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
 
     def forward():
         with torch.no_grad():
-            return sdm_ops.sparse_delta_memory(**static)
+            return sdm_ops.sparse_delta_memory(**static, output_final_state=True)
 
     graph, static_out = capture(forward)
     for seed in (42, 43):

@@ -40,6 +40,7 @@ def sdm_loss(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, cu_seql
         decay,
         chunk_size=CHUNK,
         cu_seqlens=cu_seqlens,
+        output_final_state=True,
     )
     return (out * g_out).sum() + (new_bank * g_bank).sum()
 
@@ -64,7 +65,7 @@ def test_new_offsets_reuse_the_compiled_graph_forward_and_backward(device):
             **{k: t.cpu().double() for k, t in a.items()}, cu_seqlens=cu.cpu(), chunk_size=CHUNK
         )
         out, bank = torch.compile(sdm_ops.sparse_delta_memory, fullgraph=True)(
-            **a, chunk_size=CHUNK, cu_seqlens=cu
+            **a, chunk_size=CHUNK, cu_seqlens=cu, output_final_state=True
         )
         assert_close(out, want[0], rtol=RTOL, name=f"out (lengths {lengths})")
         assert_close(bank, want[1], rtol=RTOL, name=f"bank (lengths {lengths})")

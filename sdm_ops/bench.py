@@ -194,7 +194,9 @@ def forward_fn(a: dict, chunk_size: int, **kw):
 
     def fwd():
         with torch.no_grad():
-            return sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, **kw)
+            return sdm_ops.sparse_delta_memory(
+                **a, chunk_size=chunk_size, **kw, output_final_state=True
+            )
 
     return fwd
 
@@ -222,7 +224,9 @@ def forward_backward_fn(a: dict, chunk_size: int, **kw):
     g_bank = torch.ones((banks, H) + tuple(bank.shape[-2:]), dtype=bank.dtype, device=bank.device)
 
     def fwd_bwd():
-        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size, **kw)
+        out, bank = sdm_ops.sparse_delta_memory(
+            **dict(a, **leaves), chunk_size=chunk_size, **kw, output_final_state=True
+        )
         return torch.autograd.grad((out, bank), list(leaves.values()), (g_out, g_bank))
 
     return fwd_bwd
@@ -745,7 +749,10 @@ def section_snapshot_errors(run: Run) -> None:
         t.progress(i, len(SNAPSHOTS), mode)
         leaves = {k: a[k].detach().clone().requires_grad_() for k in names}
         out, bank = sdm_ops.sparse_delta_memory(
-            **dict(a, **leaves), chunk_size=run.args.chunk_size, snapshot=mode
+            **dict(a, **leaves),
+            chunk_size=run.args.chunk_size,
+            snapshot=mode,
+            output_final_state=True,
         )
         g = torch.Generator(device=dev).manual_seed(1)
         g_out = torch.randn(out.shape, device=dev, generator=g)

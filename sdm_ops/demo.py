@@ -116,7 +116,7 @@ def check_operators(args) -> bool:
     bank = torch.zeros(H, S, D, device=dev)
     with torch.no_grad():
         out, new_bank = sdm_ops.sparse_delta_memory(
-            v, beta, write_idx, write_w, read_idx, read_w, bank
+            v, beta, write_idx, write_w, read_idx, read_w, bank, output_final_state=True
         )
     args64 = [
         x.cpu().double() if x.is_floating_point() else x.cpu()

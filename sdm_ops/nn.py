@@ -238,9 +238,10 @@ class SparseDeltaMemory(nn.Module):
         cu_seqlens: Tensor | None = None,
     ):
         """``x [B, T, d_model]`` -> ``y [B, T, d_model]``, or ``(y, final_bank [B, H, S, D])``
-        with ``return_state``. With ``state [B, H, S, D]`` (a previous call's final bank) the
-        recurrence continues from it instead of the learned initial bank. ``cu_seqlens``
-        packs variable-length sequences into ``x [1, T, d_model]`` (see the class)."""
+        with ``return_state`` (only then is a final bank made). With ``state [B, H, S, D]``
+        (a previous call's final bank) the recurrence continues from it instead of the learned
+        initial bank. ``cu_seqlens`` packs variable-length sequences into ``x [1, T, d_model]``
+        (see the class)."""
         self._check_x(x)
         self._check_cu_seqlens(cu_seqlens)
         if state is not None:
@@ -259,6 +260,7 @@ class SparseDeltaMemory(nn.Module):
             chunk_size=self.chunk_size,
             snapshot=self.snapshot,
             cu_seqlens=cu_seqlens,
+            output_final_state=return_state,
         )
         y = self._output(out)
         return (y, final) if return_state else y

@@ -382,6 +382,7 @@ def sparse_delta_memory(
     chunk_size: int = 64,
     snapshot: str = "none",
     cu_seqlens: Tensor | None = None,
+    output_final_state: bool = False,
     *,
     keep_for_backward: bool = True,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -422,7 +423,7 @@ def sparse_delta_memory(
             chunks=chunks,
             seq_chunks=seq_chunks,
         )
-        return out, bank_out, []
+        return out, bank_out if output_final_state else bank_out.new_empty(0), []
     out, bank_out, *saved = recurrence_fwd(
         v,
         beta,
@@ -444,11 +445,11 @@ def sparse_delta_memory(
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
         kept += [chunks, seq_chunks]
-    return out, bank_out, kept
+    return out, bank_out if output_final_state else bank_out.new_empty(0), kept
 
 
 def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
-    v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot, _ = inputs
+    v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot = inputs[:10]
     kept = output[2]
     ctx.mark_non_differentiable(*kept)
     # out or the bank may get no gradient: no zero tensors are made for them (None reaches the
@@ -497,6 +498,8 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         *tables,
     ) = ctx.saved_tensors
     chunks, seq_chunks = tables or (None, None)
+    if dbank_out is not None and dbank_out.numel() == 0:  # no final state was returned
+        dbank_out = None
     beta, write_idx, write_w, read_idx, read_w = (
         t.contiguous() for t in (beta, write_idx, write_w, read_idx, read_w)
     )
@@ -575,7 +578,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         ddc.to(decay.dtype) if needs[7] else None,
     )
     # One gradient for each argument the dispatcher passed (chunk_size and the others get None).
-    return (grads + (None,) * 3)[: len(ctx.needs_input_grad)]
+    return (grads + (None,) * 4)[: len(ctx.needs_input_grad)]
 
 
 sparse_delta_memory.register_fake(recurrence_meta.sparse_delta_memory_fake)

@@ -33,7 +33,9 @@ MAX_ENTRIES = 64
 
 class SDMOutput(NamedTuple):
     out: Tensor  # [B, T, H, D], v's dtype
-    bank: Tensor  # [B, H, S, D] ([N, H, S, D] packed), the bank's dtype: the final state
+    # The final state [B, H, S, D] ([N, H, S, D] packed) in the bank's dtype, with
+    # output_final_state=True; else None.
+    bank: Tensor | None
 
 
 def _check_index_range(name: str, idx: Tensor, S: int) -> None:
@@ -83,6 +85,7 @@ def _check_args(
     chunk_size,
     snapshot,
     cu_seqlens=None,
+    output_final_state=False,
     *,
     inplace: bool,
 ) -> None:
@@ -146,6 +149,10 @@ def _check_args(
     if S < 1:
         raise ValueError("bank must hold at least one slot (S >= 1)")
     check_int("chunk_size", chunk_size, choices=CHUNK_SIZES)
+    if not isinstance(output_final_state, bool):
+        raise TypeError(
+            f"output_final_state must be a bool, got {type(output_final_state).__name__}"
+        )
     if not isinstance(snapshot, str) or snapshot not in SNAPSHOT_MODES:
         raise ValueError(f"snapshot must be one of {list(SNAPSHOT_MODES)}, got {snapshot!r}")
     check_same_device(
@@ -245,6 +252,7 @@ def sparse_delta_memory(
     chunk_size: int = 64,
     snapshot: str = "none",
     cu_seqlens: Tensor | None = None,
+    output_final_state: bool = False,
 ) -> SDMOutput:
     """Run the sparse delta memory over a sequence (functional: ``bank`` is not modified).
 
@@ -275,10 +283,16 @@ def sparse_delta_memory(
             ``[H, S, D]``), and each sequence runs from its own bank as if alone; its chunks
             never straddle two sequences. No host synchronization (it may change between calls
             of a compiled function without recompiling).
+        output_final_state: whether to return the state after the last token (fla's name and
+            default). Without it no ``[B, H, S, D]`` tensor is made: the forward and the
+            backward work on the rows the sequence touches, so their time and memory do not
+            grow with S (the gradient of ``bank`` itself, when it requires grad, is the one
+            S-sized write).
 
     Returns:
-        ``SDMOutput(out [B, T, H, D] in v's dtype, bank [B, H, S, D] in the bank's dtype)``;
-        with ``cu_seqlens`` the bank is ``[N, H, S, D]``.
+        ``SDMOutput(out [B, T, H, D] in v's dtype, bank)``: ``bank`` is the final state
+        ``[B, H, S, D]`` (``[N, H, S, D]`` with ``cu_seqlens``) in the bank's dtype with
+        ``output_final_state=True``, else None.
 
     Example::
 
@@ -289,7 +303,7 @@ def sparse_delta_memory(
         >>> read_idx = torch.randint(0, S, (B, T, H, R))
         >>> out, bank = sdm_ops.sparse_delta_memory(
         ...     v, beta, write_idx, torch.rand(B, T, H, W), read_idx, torch.rand(B, T, H, R),
-        ...     torch.zeros(H, S, D))
+        ...     torch.zeros(H, S, D), output_final_state=True)
         >>> out.shape, bank.shape
         (torch.Size([2, 100, 4, 64]), torch.Size([2, 4, 4096, 64]))
     """
@@ -305,6 +319,7 @@ def sparse_delta_memory(
         chunk_size,
         snapshot,
         cu_seqlens,
+        output_final_state,
         inplace=False,
     )
     checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
@@ -326,10 +341,11 @@ def sparse_delta_memory(
         chunk_size=chunk_size,
         snapshot=snapshot,
         cu_seqlens=cu_seqlens,
+        output_final_state=output_final_state,
         keep_for_backward=keep,
     )
     _finish(checks)
-    return SDMOutput(out, bank_out)
+    return SDMOutput(out, bank_out if output_final_state else None)
 
 
 def sparse_delta_memory_(

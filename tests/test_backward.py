@@ -29,7 +29,9 @@ def _grads(a, *, kernels: bool, chunk_size=16, snapshot="none", seed=1, loss_on_
     a = {k: (v.detach().clone().requires_grad_() if k in FLOATS else v) for k, v in a.items()}
     names = [n for n in FLOATS if n in a]
     with on_kernels() if kernels else contextlib.nullcontext():
-        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, snapshot=snapshot)
+        out, bank = sdm_ops.sparse_delta_memory(
+            **a, chunk_size=chunk_size, snapshot=snapshot, output_final_state=True
+        )
         g = torch.Generator().manual_seed(seed)
         g_out = torch.randn(out.shape, generator=g).to(out.device)
         g_bank = torch.randn(bank.shape, generator=g).to(bank.device)
@@ -72,7 +74,10 @@ def test_float64_gradcheck_through_the_cpu_operator(packed):
     def f(*xs):
         kw = dict(a, **dict(zip(names, xs)))
         out, bank, _ = torch.ops.sdm.sparse_delta_memory(
-            *(kw.get(k) for k in ORDER), chunk_size=16, cu_seqlens=kw.get("cu_seqlens")
+            *(kw.get(k) for k in ORDER),
+            chunk_size=16,
+            cu_seqlens=kw.get("cu_seqlens"),
+            output_final_state=True,
         )
         return out, bank
 
@@ -128,9 +133,9 @@ def test_quantized_snapshots_bound_the_gradient_error(mode, rtol, phase2_tiles):
 def test_only_the_output_or_only_the_bank_may_carry_gradient():
     a = make_sdm_inputs(T=9, seed=26)
     v = a["v"].clone().requires_grad_()
-    out, bank = sdm_ops.sparse_delta_memory(**dict(a, v=v))
+    out, bank = sdm_ops.sparse_delta_memory(**dict(a, v=v), output_final_state=True)
     (g1,) = torch.autograd.grad(out.sum(), v)
-    out, bank = sdm_ops.sparse_delta_memory(**dict(a, v=v))
+    out, bank = sdm_ops.sparse_delta_memory(**dict(a, v=v), output_final_state=True)
     (g2,) = torch.autograd.grad(bank.sum(), v)
     assert g1.abs().sum() > 0 and g2.abs().sum() > 0
 
@@ -164,7 +169,7 @@ def test_backward_of_the_operator_run_without_keep_for_backward_raises_a_clear_e
 def test_double_backward_raises_a_clear_error():
     a = make_sdm_inputs(T=5, seed=27)
     v = a["v"].clone().requires_grad_()
-    out, _ = sdm_ops.sparse_delta_memory(**dict(a, v=v))
+    out, _ = sdm_ops.sparse_delta_memory(**dict(a, v=v), output_final_state=True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), v, create_graph=True)
 
@@ -211,7 +216,9 @@ def test_gradients_not_asked_for_are_not_computed(wanted, skipped):
     or beta; the others never reach them."""
     a = make_sdm_inputs(1, 20, 2, 16, 9, 3, 2, seed=30)
     leaves = {k: a[k].detach().clone().requires_grad_(k in wanted) for k in FLOATS}
-    out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=16)
+    out, bank = sdm_ops.sparse_delta_memory(
+        **dict(a, **leaves), chunk_size=16, output_final_state=True
+    )
     log = _OpLog()
     with log:
         grads = torch.autograd.grad((out.sum() + bank.sum()), [leaves[k] for k in wanted])

@@ -99,6 +99,7 @@ def test_readme_packed_example_runs_each_sequence_from_the_shared_bank():
     alone = sdm_ops.sparse_delta_memory(
         *(ns[k][:, 120:400] for k in ("v", "beta", "write_idx", "write_w", "read_idx", "read_w")),
         bank,
+        output_final_state=True,
     )
     torch.testing.assert_close(banks[2], alone.bank[0])
     torch.testing.assert_close(ns["out"][:, 120:], alone.out)

@@ -146,10 +146,14 @@ def _launches():
                     if name in a:
                         a[name].requires_grad_()
                 for c, mode in ((16, "none"), (32, "fp8"), (16, "int4"), (16, "bf16")):
-                    out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=c, snapshot=mode)
+                    out, bank = sdm_ops.sparse_delta_memory(
+                        **a, chunk_size=c, snapshot=mode, output_final_state=True
+                    )
                     (out.sum() + bank.sum()).backward()
                 # A loss on the bank alone: the backward without an output gradient.
-                sdm_ops.sparse_delta_memory(**a, chunk_size=16)[1].sum().backward()
+                sdm_ops.sparse_delta_memory(**a, chunk_size=16, output_final_state=True)[
+                    1
+                ].sum().backward()
                 with torch.no_grad():
                     state = a["bank"].detach().clone()
                     rest = {k: v.detach() for k, v in a.items() if k != "bank"}
@@ -163,7 +167,7 @@ def _launches():
         )
         for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
             a[name].requires_grad_()
-        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16, output_final_state=True)
         (out.sum() + bank.sum()).backward()
         with torch.no_grad():
             sdm_ops.sparse_delta_memory_(

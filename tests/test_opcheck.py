@@ -271,7 +271,9 @@ class OpsNumerics:
     # -- the recurrence (forward only) ----------------------------------------
 
     def _check_sdm(self, args, chunk_size, rtol=RTOL):
-        out, bank = sdm_ops.sparse_delta_memory(**args, chunk_size=chunk_size)
+        out, bank = sdm_ops.sparse_delta_memory(
+            **args, chunk_size=chunk_size, output_final_state=True
+        )
         B, T, H, D = args["v"].shape
         self.assertEqual(tuple(out.shape), (B, T, H, D))
         self.assertEqual(tuple(bank.shape), (B, H, *args["bank"].shape[-2:]))
@@ -313,8 +315,12 @@ class OpsNumerics:
         )
         permuted = permuted_sdm_args(args)
         for c in (16, 32):
-            out, bank = sdm_ops.sparse_delta_memory(**permuted, chunk_size=c)
-            want_out, want_bank = sdm_ops.sparse_delta_memory(**args, chunk_size=c)
+            out, bank = sdm_ops.sparse_delta_memory(
+                **permuted, chunk_size=c, output_final_state=True
+            )
+            want_out, want_bank = sdm_ops.sparse_delta_memory(
+                **args, chunk_size=c, output_final_state=True
+            )
             self.assertTrue(
                 torch.equal(out, want_out) and torch.equal(bank, want_bank),
                 f"chunk {c}: permuted inputs changed the result",
@@ -372,7 +378,9 @@ class OpsNumerics:
             [4, 0, 21, 16], 2, 16, 20, 3, 2, seed=14, decay=True, device=self.device
         )
         cu = args.pop("cu_seqlens").long()  # int64 offsets (the helper gives int32)
-        out, bank = sdm_ops.sparse_delta_memory(**args, cu_seqlens=cu, chunk_size=16)
+        out, bank = sdm_ops.sparse_delta_memory(
+            **args, cu_seqlens=cu, chunk_size=16, output_final_state=True
+        )
         want_out, want_bank = sdm_varlen_reference(
             **to_float64(args), cu_seqlens=cu.cpu(), chunk_size=16
         )
@@ -385,7 +393,9 @@ class OpsNumerics:
         )
         floats = ("v", "beta", "write_w", "read_w", "bank", "decay")
         leaves = {k: permuted_sdm_args(args)[k].requires_grad_() for k in floats}
-        out, bank = sdm_ops.sparse_delta_memory(**dict(args, **leaves), chunk_size=16)
+        out, bank = sdm_ops.sparse_delta_memory(
+            **dict(args, **leaves), chunk_size=16, output_final_state=True
+        )
         g = torch.Generator().manual_seed(16)
         g_out, g_bank = torch.randn(out.shape, generator=g), torch.randn(bank.shape, generator=g)
         grads = torch.autograd.grad(
@@ -609,21 +619,42 @@ def sdm_operands(
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
-    "packed,shared,snapshot", [(False, False, "none"), (False, True, "int4"), (True, False, "fp8")]
+    "packed,shared,snapshot,final",
+    [
+        (False, False, "none", True),
+        (False, True, "int4", True),
+        (True, False, "fp8", True),
+        (False, False, "bf16", False),
+        (False, True, "none", False),
+        (True, True, "none", False),
+    ],
 )
-def test_opcheck_sparse_delta_memory_keeping_for_backward(device, layout, packed, shared, snapshot):
+def test_opcheck_sparse_delta_memory_keeping_for_backward(
+    device, layout, packed, shared, snapshot, final
+):
     args, extra = sdm_operands(
         device, packed=packed, shared=shared, layout=layout, requires_grad=True
     )
-    opcheck(ops.sparse_delta_memory, args, dict(extra, chunk_size=16, snapshot=snapshot))
+    opcheck(
+        ops.sparse_delta_memory,
+        args,
+        dict(extra, chunk_size=16, snapshot=snapshot, output_final_state=final),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("packed,shared", [(False, False), (False, True), (True, False)])
-def test_opcheck_sparse_delta_memory_inference(device, layout, packed, shared):
+@pytest.mark.parametrize(
+    "packed,shared,final",
+    [(False, False, True), (False, True, True), (True, False, True), (False, True, False)],
+)
+def test_opcheck_sparse_delta_memory_inference(device, layout, packed, shared, final):
     args, extra = sdm_operands(device, packed=packed, shared=shared, layout=layout)
-    opcheck(ops.sparse_delta_memory, args, dict(extra, chunk_size=16, keep_for_backward=False))
+    opcheck(
+        ops.sparse_delta_memory,
+        args,
+        dict(extra, chunk_size=16, keep_for_backward=False, output_final_state=final),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

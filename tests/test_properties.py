@@ -42,7 +42,9 @@ def sdm_cases(draw):
 def test_sparse_delta_memory_matches_the_token_by_token_recurrence(case):
     kwargs, chunk_size, snapshot = case
     a = make_sdm_inputs(**kwargs)
-    out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, snapshot=snapshot)
+    out, bank = sdm_ops.sparse_delta_memory(
+        **a, chunk_size=chunk_size, snapshot=snapshot, output_final_state=True
+    )
     out_r, bank_r = ref.sdm_token_reference(*(to_float64(a).get(k) for k in ORDER))
     assert out.shape == a["v"].shape and bank.shape == bank_r.shape
     assert_close(out, out_r, rtol=1e-5, name=f"out {kwargs} C={chunk_size}")
@@ -55,7 +57,7 @@ def test_in_place_update_equals_the_functional_result(case):
     kwargs, chunk_size, _ = case
     kwargs["shared"] = False
     a = make_sdm_inputs(**kwargs)
-    out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size)
+    out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, output_final_state=True)
     state = a["bank"].clone()
     out2 = sdm_ops.sparse_delta_memory_(
         bank=state, **{k: v for k, v in a.items() if k != "bank"}, chunk_size=chunk_size

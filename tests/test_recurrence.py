@@ -34,7 +34,7 @@ def _oracle(a, chunk_size=16):
 
 def _run(a, **kw):
     with on_kernels(), torch.no_grad():
-        return sdm_ops.sparse_delta_memory(**a, **kw)
+        return sdm_ops.sparse_delta_memory(**a, **kw, output_final_state=True)
 
 
 def _inputs(**kw):
@@ -53,7 +53,9 @@ def test_kernels_match_float64_reference_with_padding_duplicates_and_partial_chu
     for grad in (False, True):
         b = dict(a, v=a["v"].clone().requires_grad_(grad))
         with on_kernels():
-            out, bank = sdm_ops.sparse_delta_memory(**b, chunk_size=chunk_size)
+            out, bank = sdm_ops.sparse_delta_memory(
+                **b, chunk_size=chunk_size, output_final_state=True
+            )
         assert out.requires_grad == grad
         assert_close(out, out_r, rtol=1e-5, name=f"out (grad {grad})")
         assert_close(bank, bank_r, rtol=1e-5, name=f"bank (grad {grad})")
@@ -174,7 +176,7 @@ def test_forwards_without_a_snapshot_form_out_in_the_walk_or_after_it(sms, monke
             bank=state, **{k: v for k, v in a.items() if k != "bank"}, chunk_size=16
         )
         with torch.no_grad():
-            out_f, bank_f = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+            out_f, bank_f = sdm_ops.sparse_delta_memory(**a, chunk_size=16, output_final_state=True)
     for name, got, want in (
         ("out", out, out_r),
         ("bank", state, bank_r),

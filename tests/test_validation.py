@@ -68,7 +68,7 @@ def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, e
     a = _args(seed=1)
     bad = dict(a, **{name: make(a)})
     with pytest.raises(error, match=text):
-        sdm_ops.sparse_delta_memory(**bad)
+        sdm_ops.sparse_delta_memory(**bad, output_final_state=True)
     if name != "bank":
         state = a["bank"].clone()
         before = state.clone()
@@ -91,7 +91,7 @@ def test_bad_arguments_raise_naming_the_argument_and_write_nothing(name, make, e
 )
 def test_bad_options_raise_naming_the_option(option, value, error):
     with pytest.raises(error, match=option):
-        sdm_ops.sparse_delta_memory(**_args(seed=2), **{option: value})
+        sdm_ops.sparse_delta_memory(**_args(seed=2), **{option: value}, output_final_state=True)
 
 
 def test_in_place_update_needs_a_contiguous_per_stream_bank():
@@ -107,7 +107,7 @@ def test_in_place_update_needs_a_contiguous_per_stream_bank():
 def test_too_many_entries_per_token_is_rejected():
     a = make_sdm_inputs(B=1, T=2, H=1, D=16, S=5, W=65, R=2)
     with pytest.raises(ValueError, match="64"):
-        sdm_ops.sparse_delta_memory(**a)
+        sdm_ops.sparse_delta_memory(**a, output_final_state=True)
 
 
 def _oracle(a):
@@ -124,7 +124,7 @@ def test_every_entry_padding_reads_zero_and_keeps_the_bank(kernels):
     a["write_idx"].fill_(-1)
     a["read_idx"].fill_(-1)
     with on_kernels() if kernels else torch.no_grad():
-        out, bank = sdm_ops.sparse_delta_memory(**a)
+        out, bank = sdm_ops.sparse_delta_memory(**a, output_final_state=True)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(bank, a["bank"])
 
@@ -142,7 +142,7 @@ def test_nan_and_inf_values_propagate_without_a_crash(kernels):
     a["v"][0, 20, 0, 2] = float("nan")
     a["v"][0, 25, 0, 5] = float("inf")
     with on_kernels() if kernels else torch.no_grad():
-        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16, output_final_state=True)
     out, bank = out.double().cpu(), bank.double().cpu()
     # The chunked reference: sparse gathers, like the kernels (the token-by-token one works on
     # dense keys, where 0 * inf spreads NaN to every slot).
@@ -158,13 +158,13 @@ def test_nan_and_inf_values_propagate_without_a_crash(kernels):
 def test_mixed_int32_and_int64_indices_and_permuted_inputs():
     a = _args(seed=6)
     a["write_idx"] = a["write_idx"].to(torch.int32)
-    base = sdm_ops.sparse_delta_memory(**a)
+    base = sdm_ops.sparse_delta_memory(**a, output_final_state=True)
     perm = {
         k: (v.transpose(0, 1).contiguous().transpose(0, 1) if v.dim() >= 3 else v)
         for k, v in a.items()
     }
     assert not perm["v"].is_contiguous()
-    again = sdm_ops.sparse_delta_memory(**perm)
+    again = sdm_ops.sparse_delta_memory(**perm, output_final_state=True)
     assert torch.equal(base.out, again.out) and torch.equal(base.bank, again.bank)
     out_r, bank_r = _oracle(a)
     assert_close(base.out, out_r, rtol=1e-5, name="out")
@@ -191,10 +191,10 @@ def test_data_checks_name_the_first_bad_argument():
     a["write_idx"] = torch.where(a["write_idx"] == 3, 11, a["write_idx"])
     a["read_idx"] = torch.where(a["read_idx"] == 3, -2, a["read_idx"])
     with pytest.raises(ValueError, match="write_idx must hold -1"):
-        sdm_ops.sparse_delta_memory(**a)
+        sdm_ops.sparse_delta_memory(**a, output_final_state=True)
     a["write_idx"] = a["write_idx"].clamp(max=10)
     with pytest.raises(ValueError, match="read_idx must hold -1 .* got -2"):
-        sdm_ops.sparse_delta_memory(**a)
+        sdm_ops.sparse_delta_memory(**a, output_final_state=True)
 
 
 @requires_cuda
@@ -211,14 +211,14 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
     state = a["bank"].clone()
     rest = {k: v for k, v in a.items() if k != "bank"}
     with torch.no_grad():
-        sdm_ops.sparse_delta_memory(**a)  # compiles the kernels first
+        sdm_ops.sparse_delta_memory(**a, output_final_state=True)  # compiles the kernels first
         sdm_ops.sparse_delta_memory_(bank=state, **rest)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                sdm_ops.sparse_delta_memory(**a)
+                sdm_ops.sparse_delta_memory(**a, output_final_state=True)
                 sdm_ops.sparse_delta_memory_(bank=state, **rest)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -233,7 +233,7 @@ def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
     with pytest.raises(ValueError, match=f"read_idx must hold -1 .* got {S}"):
         sdm_ops.sparse_delta_memory_(bank=state, **bad)
     with pytest.raises(ValueError, match="read_idx"):
-        sdm_ops.sparse_delta_memory(**dict(bad, bank=a["bank"]))
+        sdm_ops.sparse_delta_memory(**dict(bad, bank=a["bank"]), output_final_state=True)
     assert torch.equal(state, before), "a rejected in-place call modified the bank"
     if packed:
         cu = rest["cu_seqlens"].clone()
@@ -255,10 +255,10 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
 
     def run(a):
         leaves = {k: a[k].clone().requires_grad_() for k in ("v", "bank")}
-        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves))
+        out, bank = sdm_ops.sparse_delta_memory(**dict(a, **leaves), output_final_state=True)
         grads = torch.autograd.grad(out.sum() + bank.sum(), list(leaves.values()))
         with torch.no_grad():  # the inference forward: its bank copy on a side stream
-            inference = sdm_ops.sparse_delta_memory(**a)
+            inference = sdm_ops.sparse_delta_memory(**a, output_final_state=True)
         state = a["bank"].clone()
         step = sdm_ops.sparse_delta_memory_(
             bank=state, **{k: v for k, v in a.items() if k != "bank"}
@@ -279,7 +279,7 @@ def test_tensors_on_a_gpu_other_than_the_current_one_run_there(packed):
 def test_cu_seqlens_that_is_not_a_tensor_raises_type_error_naming_it(cu):
     a = make_sdm_inputs(B=1, T=5, H=2, D=16, S=11, W=3, R=2, seed=4)
     with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
-        sdm_ops.sparse_delta_memory(**a, cu_seqlens=cu)
+        sdm_ops.sparse_delta_memory(**a, cu_seqlens=cu, output_final_state=True)
     bank = a.pop("bank").expand(2, -1, -1, -1).clone()
     with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
         sdm_ops.sparse_delta_memory_(**a, bank=bank, cu_seqlens=cu)
@@ -296,7 +296,7 @@ def test_meta_tensors_give_meta_outputs_of_the_right_shapes(packed):
     m = {k: t.to("meta") for k, t in a.items()}
     banks = a["bank"].shape[0]
     m["v"].requires_grad_()
-    out, bank = sdm_ops.sparse_delta_memory(**m)
+    out, bank = sdm_ops.sparse_delta_memory(**m, output_final_state=True)
     assert out.is_meta and bank.is_meta
     assert out.shape == a["v"].shape and bank.shape == (banks, 2, 11, 16)
     out.sum().backward()
@@ -305,7 +305,7 @@ def test_meta_tensors_give_meta_outputs_of_the_right_shapes(packed):
     assert out_.is_meta and out_.shape == a["v"].shape
     # Shape checks still run on meta tensors.
     with pytest.raises(ValueError, match="beta"):
-        sdm_ops.sparse_delta_memory(**dict(m, beta=m["beta"][:, :4]))
+        sdm_ops.sparse_delta_memory(**dict(m, beta=m["beta"][:, :4]), output_final_state=True)
 
 
 def test_a_meta_decode_step_gives_a_meta_output():
@@ -339,7 +339,7 @@ def test_head_first_layout_is_reported_against_v_naming_the_layout(which):
 def test_a_bank_of_the_wrong_heads_is_still_the_bank_s_error():
     a = _args(seed=8)  # T = 5, H = 2
     with pytest.raises(ValueError, match="^bank must have shape"):
-        sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:, :1]))
+        sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:, :1]), output_final_state=True)
 
 
 def test_a_bad_option_under_torch_compile_names_the_option():
@@ -349,7 +349,9 @@ def test_a_bad_option_under_torch_compile_names_the_option():
     a = _args(seed=9)
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"chunk_size must be one of \[16, 32, 64, 128\]"):
-        torch.compile(sdm_ops.sparse_delta_memory, fullgraph=True)(**a, chunk_size=7)
+        torch.compile(sdm_ops.sparse_delta_memory, fullgraph=True)(
+            **a, chunk_size=7, output_final_state=True
+        )
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="chunk_size must be one of"):
-        torch.compile(sdm_ops.sparse_delta_memory)(**a, chunk_size=7)
+        torch.compile(sdm_ops.sparse_delta_memory)(**a, chunk_size=7, output_final_state=True)

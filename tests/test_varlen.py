@@ -34,6 +34,8 @@ def packed_inputs(lengths, **kw) -> dict:
 def run_with_grads(fn, a: dict, g_out: torch.Tensor, g_bank: torch.Tensor, **kw):
     """(out, bank, gradients of FLOATS) of sum(out * g_out) + sum(bank * g_bank)."""
     leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if a.get(k) is not None}
+    if fn is not ref.sdm_varlen_reference:  # the reference always returns the final bank
+        kw = dict(kw, output_final_state=True)
     out, bank = fn(**dict(a, **leaves), **kw)
     loss = (out.to(torch.float64) * g_out).sum() + (bank.to(torch.float64) * g_bank).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
@@ -76,6 +78,7 @@ def each_alone(
             bank if bank.dim() == 3 else bank[n : n + 1],
             None if decay is None else decay[:, t],
             **kw,
+            output_final_state=True,
         )
         outs.append(o)
         banks.append(m.expand(1, *m.shape[1:]) if m.dim() == 4 else m[None])
@@ -157,7 +160,7 @@ def test_kernels_shared_bank_and_int64_offsets():
 def test_kernels_with_every_sequence_empty():
     a = packed_inputs([0, 0, 0], device=KERNEL_DEVICE, seed=5)
     with on_kernels():
-        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16)
+        out, bank = sdm_ops.sparse_delta_memory(**a, chunk_size=16, output_final_state=True)
     assert out.shape == (1, 0, H, D)
     assert torch.equal(bank, a["bank"]), "empty sequences must return their banks unchanged"
     check_against_oracle(a, 16, 1e-5)
@@ -207,7 +210,7 @@ def test_bad_cu_seqlens_raise_value_or_type_errors_naming_it(change, match):
     a["cu_seqlens"] = change(a["cu_seqlens"])
     bank = a["bank"].clone()
     with pytest.raises(ValueError, match=match) as info:
-        sdm_ops.sparse_delta_memory(**a)
+        sdm_ops.sparse_delta_memory(**a, output_final_state=True)
     assert "cu_seqlens" in str(info.value)
     assert torch.equal(bank, a["bank"])
 
@@ -218,16 +221,16 @@ def test_packed_batch_must_have_one_row_and_one_bank_per_sequence():
         k: (torch.cat([v, v]) if k not in ("bank", "cu_seqlens") else v) for k, v in a.items()
     }
     with pytest.raises(ValueError, match="B = 2"):
-        sdm_ops.sparse_delta_memory(**two_rows)
+        sdm_ops.sparse_delta_memory(**two_rows, output_final_state=True)
     with pytest.raises(ValueError, match=r"bank must have shape \[N, H, S, D\]"):
-        sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:1]))
+        sdm_ops.sparse_delta_memory(**dict(a, bank=a["bank"][:1]), output_final_state=True)
 
 
 def test_cu_seqlens_on_another_device_is_rejected():
     a = packed_inputs([3, 5], seed=12)
     a["cu_seqlens"] = a["cu_seqlens"].to("meta")
     with pytest.raises(ValueError, match="cu_seqlens is on meta"):
-        sdm_ops.sparse_delta_memory(**a)
+        sdm_ops.sparse_delta_memory(**a, output_final_state=True)
 
 
 @pytest.mark.parametrize("offsets", [[0, 50, 10, 24], [-7, 3, 3, 99], [5, 4, 3, 2], [0, 24, 0, 24]])

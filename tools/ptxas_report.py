@@ -54,11 +54,13 @@ def _launches(chunk_size: int = 64) -> list:
             for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
                 a[name].requires_grad_()
             for mode in ("none", "bf16", "fp8", "int4"):
-                out, bank = sdm_ops.sparse_delta_memory(**a, snapshot=mode, chunk_size=chunk_size)
+                out, bank = sdm_ops.sparse_delta_memory(
+                    **a, snapshot=mode, chunk_size=chunk_size, output_final_state=True
+                )
                 loss = out.float().sum() + bank.float().sum()
                 torch.autograd.grad(loss, [t for t in a.values() if t.requires_grad])
             with torch.no_grad():
-                sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size)
+                sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, output_final_state=True)
     seen, unique = set(), []
     for launch in calls:
         sig = _signature(*launch) + (_divisible(*launch),)

@@ -203,6 +203,7 @@ def sdm(
         chunk_size=CHUNK,
         snapshot=snapshot,
         cu_seqlens=cu_seqlens,
+        output_final_state=True,
     )
 
 

@@ -207,6 +207,7 @@ def sparse_delta_memory_fake(
     chunk_size=64,
     snapshot="none",
     cu_seqlens=None,
+    output_final_state=False,
     *,
     keep_for_backward=True,
 ):
@@ -216,7 +217,8 @@ def sparse_delta_memory_fake(
     B, T = v.shape[:2]
     if not keep_for_backward:
         banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        return v.new_empty(v.shape), bank_copy_fake(bank, banks), []
+        final = bank_copy_fake(bank, banks) if output_final_state else bank.new_empty(0)
+        return v.new_empty(v.shape), final, []
     tables = (None, None) if cu_seqlens is None else varlen_chunks_fake(cu_seqlens, T, chunk_size)
     prep = chunk_prepare_fake(
         write_idx, write_w, read_idx, read_w, decay, bank.shape[-2], chunk_size, *tables
@@ -229,7 +231,7 @@ def sparse_delta_memory_fake(
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
         kept += tables
-    return out, bank_out, kept
+    return out, bank_out if output_final_state else bank.new_empty(0), kept
 
 
 def sparse_delta_memory_inplace_fake(
