@@ -15,7 +15,8 @@ Sections (``--only``, comma-separated; the first five run by default):
 - ``packed``: a packed batch of B sequences of mixed lengths (``cu_seqlens``) against the same
   sequences padded to [B, T].
 - ``addressing``: chunk sizes 32 to 128, and hot sets of S/16 and S/256 slots.
-- ``scaling``: B=1 over T, S and D.
+- ``scaling``: forward+backward with a shared bank requiring grad (the layer's case) over S
+  from 2^16 to 2^20, with and without the final state, time and peak memory.
 - ``topk``: ``product_key_topk`` on 262144 rows, factors (256, 256), k 8 and 32, against the
   brute force.
 - ``profile``: the CUDA time of each kernel of one forward+backward.
@@ -112,33 +113,34 @@ def _size(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def floor_bytes(a: dict, in_place: bool = False) -> int:
+def floor_bytes(a: dict, in_place: bool = False, final: bool = False) -> int:
     """Bytes a forward without autograd must move at least: its inputs once, out, the returned
-    bank (read and written; not with ``in_place``, which updates the bank it is given), each
-    entry's bank row gathered once and each written row written once (it keeps no
-    snapshot)."""
+    bank with ``final`` (read and written), each entry's bank row gathered once and each
+    written row written once (it keeps no snapshot). ``in_place`` updates the bank it is
+    given."""
     B, T, H, D = a["v"].shape
     W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
     bank = a["bank"]
     row = D * bank.element_size()
     inputs = sum(_size(t) for t in a.values()) - _size(bank)
     entries = B * T * H
-    copy = 0 if in_place else 2 * _size(bank)
+    copy = 2 * _size(bank) if final and not in_place else 0
     return inputs + _size(a["v"]) + copy + entries * (W + R) * row + entries * W * row
 
 
-def floor_bytes_fwd_bwd(a: dict) -> int:
+def floor_bytes_fwd_bwd(a: dict, final: bool = False) -> int:
     """Bytes a forward+backward must move at least: the forward's floor (``floor_bytes``), the
-    output and bank gradients read, a gradient of every float input written (its size and
-    dtype), the indices read again and each entry's bank row read again (the backward needs
-    every entry's row as it was at its chunk's start, from a snapshot or recomputed)."""
+    output's gradient (and with ``final`` the final bank's) read, a gradient of every float
+    input written (its size and dtype), the indices read again and each entry's bank row read
+    again (the backward needs every entry's row as it was at its chunk's start, from a
+    snapshot or recomputed)."""
     B, T, H, D = a["v"].shape
     W, R = a["write_idx"].shape[-1], a["read_idx"].shape[-1]
-    grads_in = _size(a["v"]) + _size(a["bank"])
+    grads_in = _size(a["v"]) + (_size(a["bank"]) if final else 0)
     grads_out = sum(_size(a[k]) for k in FLOATS if k in a)
     indices = _size(a["write_idx"]) + _size(a["read_idx"])
     return (
-        floor_bytes(a)
+        floor_bytes(a, final=final)
         + grads_in
         + grads_out
         + indices
@@ -189,16 +191,24 @@ def shared_entries(a: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor
 # ---------------------------------------------------------------------------
 
 
-def forward_fn(a: dict, chunk_size: int, **kw):
-    """A call of the forward of ``sparse_delta_memory`` on ``a``, without autograd."""
+def forward_fn(a: dict, chunk_size: int, final: bool = False, **kw):
+    """A call of the forward of ``sparse_delta_memory`` on ``a``, without autograd; with
+    ``final`` it returns the final bank."""
 
     def fwd():
         with torch.no_grad():
             return sdm_ops.sparse_delta_memory(
-                **a, chunk_size=chunk_size, **kw, output_final_state=True
+                **a, chunk_size=chunk_size, **kw, output_final_state=final
             )
 
     return fwd
+
+
+def train_forward_fn(a: dict, chunk_size: int, **kw):
+    """A call of the training forward of ``sparse_delta_memory`` on ``a``: every float input
+    requires grad, so it keeps what the backward needs (no final bank)."""
+    leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
+    return lambda: sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size, **kw)
 
 
 def in_place_fn(a: dict, chunk_size: int):
@@ -210,11 +220,12 @@ def in_place_fn(a: dict, chunk_size: int):
     return lambda: sdm_ops.sparse_delta_memory_(bank=bank, **rest, chunk_size=chunk_size)
 
 
-def forward_backward_fn(a: dict, chunk_size: int, **kw):
+def forward_backward_fn(a: dict, chunk_size: int, final: bool = False, **kw):
     """A call of the forward and backward of ``sparse_delta_memory`` on ``a``: the gradients of
-    every float input (its own leaves, made once) for output and bank gradients of ones (made
-    once too, outside the call, as a downstream loss would hand them over). The gradients are
-    returned, not accumulated into ``.grad``, so the call times the operator alone."""
+    every float input (its own leaves, made once) for an output gradient of ones and, with
+    ``final``, a final bank's gradient of ones (made once too, outside the call, as a
+    downstream loss would hand them over). The gradients are returned, not accumulated into
+    ``.grad``, so the call times the operator alone."""
     leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
     B, H = a["v"].shape[0], a["v"].shape[2]
     bank = a["bank"]
@@ -225,8 +236,10 @@ def forward_backward_fn(a: dict, chunk_size: int, **kw):
 
     def fwd_bwd():
         out, bank = sdm_ops.sparse_delta_memory(
-            **dict(a, **leaves), chunk_size=chunk_size, **kw, output_final_state=True
+            **dict(a, **leaves), chunk_size=chunk_size, **kw, output_final_state=final
         )
+        if not final:
+            return torch.autograd.grad(out, list(leaves.values()), g_out)
         return torch.autograd.grad((out, bank), list(leaves.values()), (g_out, g_bank))
 
     return fwd_bwd
@@ -377,6 +390,7 @@ def section_main(run: Run) -> None:
             ("launches", "launches", "d"),
             ("fwd_floor_ms", "floor ms", ".3f"),
             ("fwd_x_floor", "x floor", ".2f"),
+            ("train_fwd_graph_ms", "train fwd", ".3f"),
             ("in_place_graph_ms", "in place", ".3f"),
             ("in_place_floor_ms", "floor ms", ".3f"),
             ("in_place_x_floor", "x floor", ".2f"),
@@ -385,6 +399,7 @@ def section_main(run: Run) -> None:
             ("fwd_bwd_floor_ms", "floor ms", ".3f"),
             ("fwd_bwd_x_floor", "x floor", ".2f"),
             ("peak_gib", "peak GiB", ".2f"),
+            ("fwd_bwd_final_graph_ms", "final state", ".3f"),
             ("reference_ms", "reference ms", ".1f"),
         ],
     )
@@ -400,11 +415,14 @@ def section_main(run: Run) -> None:
         row = timed("fwd", fwd)
         row["fwd_host_ms"] = _timing.host_ms(fwd)
         row["launches"] = sum(calls for _, calls in _timing.cuda_ops(fwd).values())
+        row["train_fwd_graph_ms"] = _timing.graph_ms(train_forward_fn(a, C))
         row["in_place_graph_ms"] = _timing.graph_ms(in_place_fn(a, C))
         fwd_bwd = forward_backward_fn(a, C)
         row["peak_gib"] = _timing.peak_gib(fwd_bwd)
         row.update(timed("fwd_bwd", fwd_bwd))
         del fwd_bwd
+        row["fwd_bwd_final_graph_ms"] = _timing.graph_ms(forward_backward_fn(a, C, final=True))
+        _free()
         for key, nbytes in (
             ("fwd", floor_bytes(a)),
             ("in_place", floor_bytes(a, in_place=True)),
@@ -617,33 +635,39 @@ def section_addressing(run: Run) -> None:
 
 
 def section_scaling(run: Run) -> None:
+    B, T, H, D, _, W, R = run.shape
     C = run.args.chunk_size
     t = Section(
         run,
         "scaling",
-        f"B=1 H=8 W=8 R=8 chunk {C}, float32 bank, decay (at B=1 an "
-        "eager call can be mostly host time)",
+        f"forward+backward over S, the layer's case: B={B} T={T} H={H} D={D} W={W} R={R} "
+        f"chunk {C}, a shared float32 bank [H, S, D] requiring grad, decay; graph times; peak: "
+        "GiB above the inputs; dense grad: writing [H, S, D] float32 at the copy bandwidth",
         [
-            ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_graph_ms", "graph", ".3f"),
-            ("in_place_graph_ms", "in place", ".3f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            ("fwd_bwd_graph_ms", "fwd+bwd ms", ".3f"),
+            ("peak_gib", "peak GiB", ".2f"),
+            ("final_graph_ms", "final state ms", ".3f"),
+            ("final_peak_gib", "peak GiB", ".2f"),
+            ("dense_grad_ms", "dense grad ms", ".3f"),
         ],
     )
-    cases = [(T, S, D) for D in (64, 128) for S in (2**16, 2**20) for T in (1024, 4096, 16384)]
-    for i, (T, S, D) in enumerate(cases, 1):
-        name = f"T={T} S={S} D={D}"
-        t.progress(i, len(cases), name)
-        a = make_workload(1, T, 8, D, S, 8, 8, decay=True, bank_dtype=torch.float32)
-        fwd_bwd = forward_backward_fn(a, C)
-        t.add(
-            name,
-            **timed("fwd", forward_fn(a, C)),
-            in_place_graph_ms=_timing.graph_ms(in_place_fn(a, C)),
-            **timed("fwd_bwd", fwd_bwd),
-        )
-        del fwd_bwd, a
+    sizes = (2**16, 2**18, 2**20)
+    for i, S in enumerate(sizes, 1):
+        name = f"S=2^{S.bit_length() - 1}"
+        t.progress(i, len(sizes), name)
+        a = make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
+        a["bank"] = a["bank"][0].contiguous()
+        _free()
+        row = {"dense_grad_ms": run.floor_ms(_size(a["bank"]))}
+        for key, final in (("", False), ("final_", True)):
+            fwd_bwd = forward_backward_fn(a, C, final=final)
+            row[f"{key}peak_gib"] = _timing.peak_gib(fwd_bwd)
+            ms = _timing.graph_ms(fwd_bwd)
+            row["fwd_bwd_graph_ms" if not final else "final_graph_ms"] = ms
+            del fwd_bwd
+            _free()
+        t.add(name, **row)
+        del a
         _free()
 
 

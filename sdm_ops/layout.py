@@ -11,9 +11,19 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-__all__ = ["FP8_MAX", "INT4_MAX", "QUANT_GROUP", "SNAPSHOT_MODES", "ChunkWeights", "Prepared"]
+__all__ = [
+    "FP8_MAX",
+    "INT4_MAX",
+    "QUANT_GROUP",
+    "SKIP_SNAPSHOT",
+    "SNAPSHOT_MODES",
+    "ChunkWeights",
+    "Prepared",
+]
 
 SNAPSHOT_MODES = ("none", "bf16", "fp8", "int4")
+# The internal phase 2's mode for a forward that nothing differentiates: no snapshot at all.
+SKIP_SNAPSHOT = "skip"
 QUANT_GROUP = 16  # columns sharing one scale in the fp8 and int4 snapshots
 FP8_MAX = 448.0  # largest float8_e4m3fn
 INT4_MAX = 7.0  # int4 codes are round(x / scale) in [-7, 7], stored + 8

@@ -44,8 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op
 
-from . import layout, reference
+from . import layout, reference, working_set
 from .kernels._common import on_device, sm_count, use_kernels
+from .layout import SKIP_SNAPSHOT
 from .meta import product_key_topk as product_key_topk_meta
 from .meta import recurrence as recurrence_meta
 from .meta import wy_solve as wy_solve_meta
@@ -397,14 +398,15 @@ def sparse_delta_memory(
     decay = None if decay is None else decay.contiguous()
     B, T, H, _ = v.shape
     S, C = bank.shape[-2], chunk_size
-    if not keep_for_backward:
+    in_place = not keep_for_backward and output_final_state
+    if in_place:
         banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         bank_out, side = _copy_beside(bank, banks, B * H * -(-T // C))
     prep, X, QX, (chunks, seq_chunks) = _phase1(
         v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens
     )
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
-    if not keep_for_backward:
+    if in_place:
         if side is not None:
             torch.cuda.current_stream(bank.device).wait_stream(side)
         out = recurrence_fwd_(
@@ -423,12 +425,16 @@ def sparse_delta_memory(
             chunks=chunks,
             seq_chunks=seq_chunks,
         )
-        return out, bank_out if output_final_state else bank_out.new_empty(0), []
+        return out, bank_out, []
+    # Without the final state, phase 2 runs on the working set: the rows the sequence touches.
+    rows = (
+        None if output_final_state else working_set.working_rows(write_idx, read_idx, S, cu_seqlens)
+    )
     out, bank_out, *saved = recurrence_fwd(
         v,
         beta,
-        write_idx,
-        read_idx,
+        write_idx if rows is None else rows.write_rows,
+        read_idx if rows is None else rows.read_rows,
         gather_w=gather_w,
         gather_r=gather_r,
         scatter_w=scatter_w,
@@ -438,14 +444,21 @@ def sparse_delta_memory(
         X=X,
         QX=QX,
         bank=bank,
-        snapshot=snapshot,
+        snapshot=snapshot if keep_for_backward else SKIP_SNAPSHOT,
         chunks=chunks,
         seq_chunks=seq_chunks,
+        write_src=None if rows is None else write_idx,
+        read_src=None if rows is None else read_idx,
+        row_slots=None if rows is None else rows.row_slots,
     )
+    if not keep_for_backward:
+        return out, bank.new_empty(0), []
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
         kept += [chunks, seq_chunks]
-    return out, bank_out if output_final_state else bank_out.new_empty(0), kept
+    if rows is not None:
+        kept += list(rows)
+    return out, bank_out if output_final_state else bank.new_empty(0), kept
 
 
 def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
@@ -456,6 +469,7 @@ def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
     # backward).
     ctx.set_materialize_grads(False)
     ctx.keep_for_backward = keyword_only_inputs["keep_for_backward"]
+    ctx.working_set = not inputs[11]  # output_final_state
     ctx.chunk_size, ctx.snapshot, ctx.bank_rows = chunk_size, snapshot, bank.shape[-2]
     ctx.v_dtype, ctx.bank_meta = v.dtype, (bank.dim(), bank.dtype)
     if ctx.keep_for_backward:
@@ -497,6 +511,10 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         delta,
         *tables,
     ) = ctx.saved_tensors
+    rows = None
+    if ctx.working_set:  # the entries' rows, and the rows' slots: the working set's layout
+        rows = working_set.WorkingRows(*tables[-3:])
+        tables = tables[:-3]
     chunks, seq_chunks = tables or (None, None)
     if dbank_out is not None and dbank_out.numel() == 0:  # no final state was returned
         dbank_out = None
@@ -509,8 +527,8 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = recurrence_bwd(
         beta,
-        write_idx,
-        read_idx,
+        write_idx if rows is None else rows.write_rows,
+        read_idx if rows is None else rows.read_rows,
         gather_w=gather_w,
         gather_r=gather_r,
         scatter_w=scatter_w,
@@ -521,7 +539,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         QX=QX,
         res=res,
         delta=delta,
-        bank_rows=ctx.bank_rows,
+        bank_rows=ctx.bank_rows if rows is None else rows.row_slots.shape[1],
         snap=snap,
         snap_scale=snap_scale,
         snapshot=ctx.snapshot,
@@ -532,7 +550,10 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         seq_chunks=seq_chunks,
     )
     bank_dim, bank_dtype = ctx.bank_meta
-    if bank_dim == 3:
+    if rows is not None:
+        if needs[6]:
+            dbank = rows_to_bank(dbank, rows.row_slots, ctx.bank_rows, bank_dim == 3)
+    elif bank_dim == 3:
         dbank = dbank.sum(0)
     dbeta = dbeta.to(beta.dtype)
     dww = drw = ddc = None
@@ -803,18 +824,28 @@ def _recurrence_fwd_cpu(
     snapshot: str,
     chunks: Tensor | None = None,
     seq_chunks: Tensor | None = None,
+    write_src: Tensor | None = None,
+    read_src: Tensor | None = None,
+    row_slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The CPU path of ``sdm_internal::recurrence_fwd``: the reference."""
+    """The CPU path of ``sdm_internal::recurrence_fwd``: the reference (on the working set's
+    rows, gathered from the bank, when given ``row_slots``)."""
     prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
+    if row_slots is not None:
+        banks = v.shape[0] if seq_chunks is None else seq_chunks.shape[0] - 1
+        bank = working_set.gather_rows(bank, row_slots, banks, v.shape[2])
+    mode = "none" if snapshot == SKIP_SNAPSHOT else snapshot
     if chunks is not None:
         res = reference.recurrence_fwd_varlen_reference(
-            v, beta, write_idx, read_idx, prep, X, QX, bank, snapshot, chunks, seq_chunks
+            v, beta, write_idx, read_idx, prep, X, QX, bank, mode, chunks, seq_chunks
         )
     else:
         res = reference.recurrence_fwd_reference(
-            v, beta, write_idx, read_idx, prep, X, QX, bank, snapshot
+            v, beta, write_idx, read_idx, prep, X, QX, bank, mode
         )
     out, bank_out, snap, snap_scale, resid, delta = res
+    if snapshot == SKIP_SNAPSHOT:
+        snap, snap_scale, resid, delta = (x.new_empty(0) for x in (snap, snap_scale, resid, delta))
     return (
         out.to(v.dtype).contiguous(),
         bank_out.to(bank.dtype).contiguous(),
@@ -848,12 +879,77 @@ def recurrence_fwd(
     snapshot: str,
     chunks: Tensor | None = None,
     seq_chunks: Tensor | None = None,
+    write_src: Tensor | None = None,
+    read_src: Tensor | None = None,
+    row_slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 2: (out, bank_out, snap, snap_scale, res, delta) from the initial ``bank``
     ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``. ``read_rank`` is
     not read here: it is an input so that the backward has it. The kernels copy into bank_out
     only the rows that no chunk writes; phase 2 reads the others from ``bank`` until their
-    first write (``kernels/bank_copy.py``)."""
+    first write (``kernels/bank_copy.py``).
+
+    With ``row_slots`` (``working_set.working_rows``) ``write_idx`` and ``read_idx`` hold the
+    entries' rows in a working set and ``write_src`` and ``read_src`` their slots in ``bank``:
+    bank_out is the working set at the end, ``[banks, H, U, D]``, of which only the written
+    rows are defined, and nothing is copied. ``snapshot`` may also be ``SKIP_SNAPSHOT``: no
+    snapshot, and snap, snap_scale, res and delta are empty (a forward without backward)."""
+    if use_kernels(v) and row_slots is not None:
+        from .kernels import bank_copy as kc
+        from .kernels import recurrence_fwd as k
+
+        out, bank_out, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
+            v,
+            beta,
+            write_idx,
+            read_idx,
+            gather_w,
+            gather_r,
+            scatter_w,
+            row_decay,
+            rank,
+            read_rank,
+            X,
+            QX,
+            bank,
+            snapshot,
+            chunks,
+            seq_chunks,
+            write_src,
+            read_src,
+            row_slots,
+        )
+        first = write_idx.new_empty(row_slots.shape, dtype=torch.int32)
+        skip = snapshot == SKIP_SNAPSHOT
+        with on_device(v):
+            kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
+            k.recurrence_fwd(
+                v=v,
+                beta=beta,
+                write_idx=write_idx,
+                read_idx=read_idx,
+                gather_w=gather_w,
+                gather_r=gather_r,
+                scatter_w=scatter_w,
+                row_decay=row_decay,
+                rank=rank,
+                X=X,
+                QX=QX,
+                bank=bank_out,
+                out=out,
+                res=None if skip else res,
+                delta=None if skip else delta,
+                snap=snap,
+                snap_scale=snap_scale,
+                snapshot=None if skip else snapshot,
+                chunks=chunks,
+                seq_chunks=seq_chunks,
+                source=bank,
+                first=first,
+                write_src=write_src,
+                read_src=read_src,
+            )
+        return out, bank_out, snap, snap_scale, res, delta
     if use_kernels(v):
         from .kernels import bank_copy as kc
         from .kernels import recurrence_fwd as k
@@ -926,6 +1022,9 @@ def recurrence_fwd(
         snapshot,
         chunks,
         seq_chunks,
+        write_src,
+        read_src,
+        row_slots,
     )
 
 
@@ -1279,6 +1378,37 @@ def recurrence_bwd(
 
 
 recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
+
+
+def _rows_to_bank_cpu(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: bool) -> Tensor:
+    """The CPU path of ``sdm_internal::rows_to_bank``: the reference."""
+    banks, H = grad_rows.shape[:2]
+    return working_set.rows_to_bank_reference(grad_rows, row_slots, bank_rows, shared, banks, H)
+
+
+_rows_to_bank_reference = _reference_op(
+    "rows_to_bank", _rows_to_bank_cpu, recurrence_meta.rows_to_bank_fake, ()
+)
+
+
+@triton_op("sdm_internal::rows_to_bank", mutates_args=())
+def rows_to_bank(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: bool) -> Tensor:
+    """The bank's gradient from the working set's: ``grad_rows [banks, H, U, D]`` (its rows'
+    slots ``row_slots [banks * H, U]``) placed at their slots of a zeroed ``[banks, H, S, D]``
+    (S = ``bank_rows``), or with ``shared`` summed over the banks, in order, into
+    ``[H, S, D]``; see ``kernels/working_set.py``."""
+    if use_kernels(grad_rows):
+        from .kernels import working_set as k
+
+        dst = recurrence_meta.rows_to_bank_fake(grad_rows, row_slots, bank_rows, shared)
+        with on_device(grad_rows):
+            dst.zero_()
+            k.rows_to_bank(grad_rows, row_slots, dst)
+        return dst
+    return _rows_to_bank_reference(grad_rows, row_slots, bank_rows, shared)
+
+
+rows_to_bank.register_fake(recurrence_meta.rows_to_bank_fake)
 
 
 def _chunk_prepare_backward_cpu(

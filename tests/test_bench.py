@@ -20,14 +20,18 @@ def test_floors_count_every_tensor_once(decay):
     # each, write_w / read_w 8 each, decay 8, float32 bank 256, a bank row 64.
     a = bench.make_workload(1, 2, 1, 16, 4, 1, 1, decay=decay, bank_dtype=torch.float32, dev="cpu")
     d = 8 if decay else 0
-    # Forward: inputs but the bank 120 + d, out 64, bank read and written 512, 2 tokens x 2
-    # entries gathered 256, 2 written rows 128.
-    assert bench.floor_bytes(a) == 1080 + d
-    # In place: the same without the bank's copy.
+    # Forward returning the final bank: inputs but the bank 120 + d, out 64, bank read and
+    # written 512, 2 tokens x 2 entries gathered 256, 2 written rows 128.
+    assert bench.floor_bytes(a, final=True) == 1080 + d
+    # Without the final bank (the default), and in place: the same without the bank's copy.
+    assert bench.floor_bytes(a) == 1080 + d - 512
     assert bench.floor_bytes(a, in_place=True) == 1080 + d - 512
-    # Forward+backward: also the output and bank gradients read (64 + 256), the float inputs'
-    # gradients written (344 + d), both index tensors again (32), every entry's row again (256).
-    assert bench.floor_bytes_fwd_bwd(a) == 1080 + d + 320 + 344 + d + 32 + 256
+    assert bench.floor_bytes(a, in_place=True, final=True) == 1080 + d - 512
+    # Forward+backward: also the output and final bank gradients read (64 + 256), the float
+    # inputs' gradients written (344 + d), both index tensors again (32), every entry's row
+    # again (256); without the final bank, neither it nor its gradient.
+    assert bench.floor_bytes_fwd_bwd(a, final=True) == 1080 + d + 320 + 344 + d + 32 + 256
+    assert bench.floor_bytes_fwd_bwd(a) == 1080 + d - 512 + 64 + 344 + d + 32 + 256
 
 
 def test_shared_entries_counts_the_entries_that_meet_another_on_a_slot():

@@ -170,13 +170,14 @@ def _first_chunks(first_p, s, ok, SOURCE: tl.constexpr):
 
 
 @triton.jit
-def _row_base(bank_p, src_p, fw, n, SOURCE: tl.constexpr):
-    """The bank an entry of chunk ``n`` reads its row from, given ``fw`` (``_first_chunks``):
-    the updated bank once an earlier chunk has written the row, else the source bank."""
+def _row_ptr(bank_p, src_p, fw, n, s, ss, D: tl.constexpr, SOURCE: tl.constexpr):
+    """Where an entry of chunk ``n`` reads its row, given ``fw`` (``_first_chunks``): row ``s``
+    of the updated bank once an earlier chunk has written it, else slot ``ss`` of the source
+    bank (``ss`` is ``s`` itself unless the bank is a working set of rows, ``ROWS``)."""
     if SOURCE:
-        return tl.where(fw < n, bank_p, src_p)
+        return tl.where(fw < n, bank_p + s * D, src_p + ss * D)
     else:
-        return bank_p
+        return bank_p + s * D
 
 
 @triton.jit
@@ -203,10 +204,13 @@ def _recurrence_fwd_kernel(
     seq_chunks,
     source,
     first,
+    write_src,
+    read_src,
     inter_buf,
     T,
     H,
     S,
+    S_SRC,
     NC,
     SRC_PERIOD,
     D: tl.constexpr,
@@ -223,6 +227,7 @@ def _recurrence_fwd_kernel(
     SNAPSHOT: tl.constexpr,
     VARLEN: tl.constexpr,
     SOURCE: tl.constexpr,
+    ROWS: tl.constexpr,
     OUT_WALK: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
@@ -235,7 +240,7 @@ def _recurrence_fwd_kernel(
     rcols = tl.max_contiguous(cols, 4)
     h = p % H
     bank_p = bank + p.to(tl.int64) * S * D
-    src_p = source + (p % SRC_PERIOD).to(tl.int64) * S * D
+    src_p = source + (p % SRC_PERIOD).to(tl.int64) * S_SRC * D
     first_p = first + p.to(tl.int64) * S
     scratch_p = scratch + p.to(tl.int64) * C * D
     if VARLEN:  # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
@@ -263,6 +268,11 @@ def _recurrence_fwd_kernel(
         next_gw = tl.load(gather_w + fwent, mask=fwm, other=0.0)
         next_r = tl.load(read_idx + frent, mask=frm, other=-1)
         next_gr = tl.load(gather_r + frent, mask=frm, other=0.0)
+        next_ws = next_w
+        next_rs = next_r
+        if ROWS:
+            next_ws = tl.load(write_src + fwent, mask=fwm, other=-1)
+            next_rs = tl.load(read_src + frent, mask=frm, other=-1)
         fs, fok = bank_slots(next_w, fwm, S)
         next_fw = _first_chunks(first_p, fs, fok, SOURCE)
         fs, fok = bank_slots(next_r, frm, S)
@@ -281,7 +291,7 @@ def _recurrence_fwd_kernel(
             went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(next_w, wm, S)
             rows, retrieved = _gather(
-                _row_base(bank_p, src_p, next_fw, n, SOURCE) + s * D,
+                _row_ptr(bank_p, src_p, next_fw, n, s, next_ws.to(tl.int64), D, SOURCE),
                 ok,
                 tl.where(ok, next_gw, 0.0),
                 rcols,
@@ -290,7 +300,7 @@ def _recurrence_fwd_kernel(
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(next_r, rm, S)
             qrows, inter = _gather(
-                _row_base(bank_p, src_p, next_fr, n, SOURCE) + q * D,
+                _row_ptr(bank_p, src_p, next_fr, n, q, next_rs.to(tl.int64), D, SOURCE),
                 qok,
                 tl.where(qok, next_gr, 0.0),
                 rcols,
@@ -308,6 +318,11 @@ def _recurrence_fwd_kernel(
             next_gw = tl.load(gather_w + nwent, mask=nwm, other=0.0)
             next_r = tl.load(read_idx + nrent, mask=nrm, other=-1)
             next_gr = tl.load(gather_r + nrent, mask=nrm, other=0.0)
+            next_ws = next_w
+            next_rs = next_r
+            if ROWS:
+                next_ws = tl.load(write_src + nwent, mask=nwm, other=-1)
+                next_rs = tl.load(read_src + nrent, mask=nrm, other=-1)
             rk = tl.load(rank + went, mask=ok, other=-1)
             vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0).to(
                 tl.float32
@@ -402,11 +417,14 @@ def _recurrence_fwd_kernel(
                 tok, tok_ok = token_rows(tok0, h, H, count, ii)  # [TB]
                 went, wm = entry_offsets(tok, tok_ok, W, WP)  # [TB, WP]
                 s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
+                ss = s
+                if ROWS:
+                    ss = tl.load(write_src + went, mask=ok, other=-1).to(tl.int64)
                 rk = tl.load(rank + went, mask=ok, other=0)
                 npass = tl.maximum(npass, tl.max(tl.max(tl.where(ok, rk + 1, 0), 1), 0))
                 fw = _first_chunks(first_p, s, ok, SOURCE)
                 rows, retrieved = _gather(
-                    _row_base(bank_p, src_p, fw, n, SOURCE) + s * D,
+                    _row_ptr(bank_p, src_p, fw, n, s, ss, D, SOURCE),
                     ok,
                     tl.load(gather_w + went, mask=ok, other=0.0),
                     rcols,
@@ -414,9 +432,12 @@ def _recurrence_fwd_kernel(
                 )
                 rent, rm = entry_offsets(tok, tok_ok, R, RP)
                 q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
+                qs = q
+                if ROWS:
+                    qs = tl.load(read_src + rent, mask=qok, other=-1).to(tl.int64)
                 fr = _first_chunks(first_p, q, qok, SOURCE)
                 qrows, inter = _gather(
-                    _row_base(bank_p, src_p, fr, n, SOURCE) + q * D,
+                    _row_ptr(bank_p, src_p, fr, n, q, qs, D, SOURCE),
                     qok,
                     tl.load(gather_r + rent, mask=qok, other=0.0),
                     rcols,
@@ -498,9 +519,12 @@ def _recurrence_fwd_kernel(
                     ptr = bank_p + s[:, :, None] * D + rcols[None, None, :]
                     # A row's first write (k = 0) reads it where the gathers did.
                     fw = _first_chunks(first_p, s, mine & (k == 0), SOURCE)
-                    src = _row_base(bank_p, src_p, tl.where(k == 0, fw, -1), n, SOURCE)
+                    ss = s
+                    if ROWS:
+                        ss = tl.load(write_src + went, mask=mine, other=-1).to(tl.int64)
+                    src = _row_ptr(bank_p, src_p, tl.where(k == 0, fw, -1), n, s, ss, D, SOURCE)
                     rows = tl.load(
-                        src[:, :, None] + s[:, :, None] * D + rcols[None, None, :],
+                        src[:, :, None] + rcols[None, None, :],
                         mask=mine[:, :, None],
                         other=0.0,
                     ).to(tl.float32)
@@ -600,13 +624,17 @@ def recurrence_fwd(
     seq_chunks=None,
     source=None,
     first=None,
+    write_src=None,
+    read_src=None,
 ) -> None:
     """Launch phase 2 over every chunk; ``bank`` is updated in place. ``snapshot`` None skips
     the snapshot (in-place inference), and then ``res`` and ``delta`` may be None: they are
     allocated here only if the chunks go in tiles (as scratch). With a ``source`` bank
     ([B, H, S, D] or shared) and its ``first`` table (``bank_copy.first_writes``), the state
-    starts from ``source``: ``bank`` is read only where an earlier chunk has written it. See
-    the module docstring for the other operands."""
+    starts from ``source``: ``bank`` is read only where an earlier chunk has written it. With
+    ``write_src`` and ``read_src`` (the entries' slots in ``source``), ``bank`` is a working
+    set of rows ``[P, U, D]`` and ``write_idx`` / ``read_idx`` hold the entries' rows in it
+    (``working_set.py``). See the module docstring for the other operands."""
     B, T, H, D = v.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
@@ -655,10 +683,13 @@ def recurrence_fwd(
         seq_chunks if varlen else rank,
         bank if source is None else source,
         rank if first is None else first,
+        write_idx if write_src is None else write_src,
+        read_idx if read_src is None else read_src,
         inter,
         T,
         H,
         S,
+        S if source is None else source.shape[-2],
         X.shape[2],
         H if source is not None and source.dim() == 3 else streams,
         D=D,
@@ -675,6 +706,7 @@ def recurrence_fwd(
         SNAPSHOT=snapshot is not None,
         VARLEN=varlen,
         SOURCE=source is not None,
+        ROWS=write_src is not None,
         OUT_WALK=out_walk,
         num_warps=_NUM_WARPS,
     )

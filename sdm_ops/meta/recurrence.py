@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import QUANT_GROUP
+from ..layout import QUANT_GROUP, SKIP_SNAPSHOT
+from ..working_set import working_set_rows
 
 
 def weight_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -92,12 +93,26 @@ def recurrence_fwd_fake(
     snapshot,
     chunks=None,
     seq_chunks=None,
+    write_src=None,
+    read_src=None,
+    row_slots=None,
 ):
     B, T, H, D = v.shape
     banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
-    S = bank.shape[-2]
+    # The final state, or the working set's rows ([P, U] of row_slots) without one.
+    S = bank.shape[-2] if row_slots is None else row_slots.shape[1]
     E = write_idx.shape[-1] + read_idx.shape[-1]
     wd = weight_dtype(v, bank, gather_w)
+    if snapshot == SKIP_SNAPSHOT:
+        empty = v.new_empty((0,), dtype=wd)
+        return (
+            v.new_empty((B, T, H, D)),
+            bank.new_empty((banks, H, S, D)),
+            bank.new_empty((0,)),
+            bank.new_empty((0,), dtype=torch.float32),
+            empty,
+            empty.new_empty((0,)),
+        )
     rows, rows_dtype, scales = snapshot_layout(snapshot, bank, B, T, H, E, D)
     t = v.new_empty((B, T, H, D), dtype=wd)
     return (
@@ -231,10 +246,31 @@ def sparse_delta_memory_fake(
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
         kept += tables
-    return out, bank_out if output_final_state else bank.new_empty(0), kept
+    if output_final_state:
+        return out, bank_out, kept
+    return out, bank.new_empty(0), kept + working_rows_fake(write_idx, read_idx, bank, cu_seqlens)
+
+
+def working_rows_fake(write_idx, read_idx, bank, cu_seqlens):
+    """``working_set.working_rows``' outputs: the entries' rows (int32) and the rows' slots
+    ``[P, U]`` (int64)."""
+    B, T, H, W = write_idx.shape
+    P = (B if cu_seqlens is None else cu_seqlens.shape[0] - 1) * H
+    U = working_set_rows(T, W, read_idx.shape[-1], bank.shape[-2])
+    return [
+        write_idx.new_empty(write_idx.shape, dtype=torch.int32),
+        read_idx.new_empty(read_idx.shape, dtype=torch.int32),
+        write_idx.new_empty((P, U), dtype=torch.int64),
+    ]
 
 
 def sparse_delta_memory_inplace_fake(
     v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, chunk_size=64, cu_seqlens=None
 ):
     return v.new_empty(v.shape)
+
+
+def rows_to_bank_fake(grad_rows, row_slots, bank_rows, shared):
+    """``[banks, H, S, D]`` from ``grad_rows [banks, H, U, D]``, or ``[H, S, D]`` if shared."""
+    banks, H, _, D = grad_rows.shape
+    return grad_rows.new_empty((H, bank_rows, D) if shared else (banks, H, bank_rows, D))

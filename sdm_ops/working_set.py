@@ -1,0 +1,137 @@
+"""The working set: the bank rows a sequence touches, numbered per stream.
+
+Without ``output_final_state`` nothing reads the bank after the last token, so the forward and
+the backward need only the rows that the sequence's entries address: at most
+``min(T * (W + R), S)`` a stream, whatever S is. ``working_rows`` numbers them: per stream
+(batch row or packed sequence, and head), the distinct valid slots of its write and read
+entries, in ascending slot order, become rows 0, 1, ... of a working set ``[P, U, D]``. Every
+entry gets its row (-1 for padding, an index outside [0, S) or a token outside every packed
+sequence), and ``row_slots [P, U]`` gives each row's slot (-1 past the stream's last row).
+
+Since the numbering is one to one within a stream, two entries share a row exactly when they
+share a slot: phase 1's pairings, ranks and weights do not change, and phase 2 and its backward
+run unchanged on the working set with the entries' rows as indices. Phase 2 reads a row from
+the initial bank (at the entry's own slot) until its stream first writes it
+(``kernels/recurrence_fwd.py``, ``ROWS``); the backward's bank gradient comes out per row,
+``[P, U, D]``, and ``rows_to_bank`` places it at the rows' slots.
+
+Plain tensor operations with static shapes (a sort, a scan, searches): no host
+synchronization, so the numbering compiles and captures like the operators around it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class WorkingRows(NamedTuple):
+    write_rows: Tensor  # [B, T, H, W] int32: each write entry's row, -1 for none
+    read_rows: Tensor  # [B, T, H, R] int32: each read entry's row, -1 for none
+    row_slots: Tensor  # [P, U] int64: each row's slot in the bank, -1 for unused rows
+
+
+def working_set_rows(T: int, W: int, R: int, S: int) -> int:
+    """U, the rows a stream's working set may need: its entries, or the whole bank if fewer.
+    (``torch.sym_min`` / ``sym_max``: a dynamic T adds no guard.)"""
+    return torch.sym_max(1, torch.sym_min(T * (W + R), S))
+
+
+def working_rows(
+    write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None = None
+) -> WorkingRows:
+    """Number the rows each stream touches (see the module docstring). Streams are ``b * H + h``
+    for a dense batch, and ``n * H + h`` for sequence n of a packed one (``cu_seqlens``; the
+    entries are then ``[1, T, H, .]``)."""
+    B, T, H, W = write_idx.shape
+    R = read_idx.shape[-1]
+    dev = write_idx.device
+    heads = torch.arange(H, device=dev)
+    if cu_seqlens is None:
+        P = B * H
+        stream = (torch.arange(B, device=dev)[:, None, None] * H + heads).expand(B, T, H)
+    else:
+        N = cu_seqlens.shape[0] - 1
+        P = N * H
+        # Token t belongs to sequence n when cu[n] <= t < cu[n + 1]; tokens past the last
+        # offset belong to none (P, past every stream).
+        seq = torch.searchsorted(
+            cu_seqlens[1:].contiguous(), torch.arange(T, device=dev), right=True
+        )
+        stream = torch.where(seq[None, :, None] < N, seq[None, :, None] * H + heads, P)
+        stream = stream.expand(B, T, H)
+    U = working_set_rows(T, W, R, S)
+    # One key per entry: stream * (S + 1) + slot, slot S for an entry that addresses nothing.
+    span = S + 1
+
+    def keys(idx: Tensor, E: int) -> Tensor:
+        slot = idx.to(torch.int64)
+        slot = torch.where((slot >= 0) & (slot < S), slot, S)
+        return (stream[..., None].to(torch.int64) * span + slot).reshape(-1)
+
+    flat = torch.cat([keys(write_idx, W), keys(read_idx, R)])
+    if flat.numel() == 0:
+        return WorkingRows(
+            write_idx.new_full(write_idx.shape, -1, dtype=torch.int32),
+            read_idx.new_full(read_idx.shape, -1, dtype=torch.int32),
+            write_idx.new_full((P, U), -1, dtype=torch.int64),
+        )
+    key, order = torch.sort(flat)
+    new = torch.ones_like(key, dtype=torch.bool)
+    new[1:] = key[1:] != key[:-1]
+    distinct = torch.cumsum(new, 0) - 1  # the number of distinct keys before each key
+    key_stream, key_slot = key // span, key % span
+    valid = (key_slot < S) & (key_stream < P)
+    # A stream's rows count from its first key: the distinct keys before it are other streams'.
+    starts = torch.searchsorted(key, torch.arange(P, device=dev, dtype=torch.int64) * span)
+    first = distinct[starts.clamp(max=key.numel() - 1)]
+    row = distinct - first[key_stream.clamp(max=max(P - 1, 0))]
+    row = torch.where(valid, row, -1)
+    rows = torch.empty_like(row).scatter_(0, order, row)
+    n_write = write_idx.numel()
+    # Each row's slot, from the key that starts it; a max over the candidates (the others
+    # offer -1), which no order of the reduction changes.
+    target = torch.where(valid & new, key_stream * U + row, P * U)
+    row_slots = torch.full((P * U + 1,), -1, dtype=torch.int64, device=dev)
+    row_slots.scatter_reduce_(0, target, torch.where(valid, key_slot, -1), "amax")
+    return WorkingRows(
+        rows[:n_write].view(write_idx.shape).to(torch.int32),
+        rows[n_write:].view(read_idx.shape).to(torch.int32),
+        row_slots[: P * U].view(P, U),
+    )
+
+
+def gather_rows(bank: Tensor, row_slots: Tensor, banks: int, H: int) -> Tensor:
+    """The working set's rows at the start, ``[banks, H, U, D]`` in the bank's dtype: row u of
+    stream p holds the initial bank's slot ``row_slots[p, u]`` (zeros for unused rows). The
+    reference path's way in; the kernels read the initial bank directly instead."""
+    S, D = bank.shape[-2:]
+    P, U = row_slots.shape
+    src = torch.arange(P, device=bank.device) % (H if bank.dim() == 3 else P)
+    flat = src[:, None] * S + row_slots.clamp(min=0)
+    rows = bank.reshape(-1, D)[flat.reshape(-1)].view(P, U, D)
+    rows = torch.where((row_slots >= 0)[..., None], rows, 0)
+    return rows.view(banks, H, U, D)
+
+
+def rows_to_bank_reference(
+    grad_rows: Tensor, row_slots: Tensor, S: int, shared: bool, banks: int, H: int
+) -> Tensor:
+    """``grad_rows [banks, H, U, D]`` placed at their rows' slots: ``[banks, H, S, D]``, or with
+    ``shared`` ``[H, S, D]`` summed over the banks in order (zeros where no row lands)."""
+    D = grad_rows.shape[-1]
+    P, U = row_slots.shape
+    out = grad_rows.new_zeros((H if shared else P) * S + 1, D)
+    rows = grad_rows.reshape(P, U, D)
+    for b in range(banks if shared else 1):
+        streams = slice(b * H, (b + 1) * H) if shared else slice(0, P)
+        slots = row_slots[streams]
+        base = torch.arange(slots.shape[0], device=slots.device)[:, None] * S
+        flat = torch.where(slots >= 0, base + slots, out.shape[0] - 1).reshape(-1)
+        # Rows of one stream have distinct slots, so within one step no two rows meet; the
+        # steps go over the batch in order.
+        out.index_put_((flat,), rows[streams].reshape(-1, D), accumulate=True)
+    out = out[:-1]
+    return out.view(H, S, D) if shared else out.view(banks, H, S, D)
