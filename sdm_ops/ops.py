@@ -310,6 +310,13 @@ def _chunk_betas_backward(
     return g.new_zeros(T, H).index_put_((tok,), g, accumulate=True).to(beta.dtype)[None]
 
 
+def _wide(idx: Tensor) -> Tensor:
+    """``idx`` as int64. Phase 2's walks over several chunks take int64 indices only: with int32
+    ones, compiled for the H200 by Triton 3.6, results went wrong from the third chunk of a
+    stream on (the interpreter's were right); the widened copy costs 4 bytes an entry."""
+    return idx if idx.dtype == torch.int64 else idx.to(torch.int64)
+
+
 def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
     """Phase 1 and the WY solve: (chunk_prepare's outputs, X, QX as [lead, H, N, C, C],
     (chunks, seq_chunks)); the chunk tables are None without ``cu_seqlens``."""
@@ -395,6 +402,7 @@ def sparse_delta_memory(
     v, beta, write_idx, write_w, read_idx, read_w, bank = (
         t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank)
     )
+    write_idx, read_idx = _wide(write_idx), _wide(read_idx)
     decay = None if decay is None else decay.contiguous()
     B, T, H, _ = v.shape
     S, C = bank.shape[-2], chunk_size
@@ -521,6 +529,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     beta, write_idx, write_w, read_idx, read_w = (
         t.contiguous() for t in (beta, write_idx, write_w, read_idx, read_w)
     )
+    write_idx, read_idx = _wide(write_idx), _wide(read_idx)
     decay = None if decay is None else decay.contiguous()
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
@@ -637,6 +646,8 @@ def sparse_delta_memory_(
     v, beta, write_idx, write_w, read_idx, read_w = (
         t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w)
     )
+    if v.shape[1] != 1 or cu_seqlens is not None:
+        write_idx, read_idx = _wide(write_idx), _wide(read_idx)
     decay = None if decay is None else decay.contiguous()
     state = bank.contiguous()
     T = v.shape[1]

@@ -28,8 +28,8 @@ from torch import Tensor
 
 
 class WorkingRows(NamedTuple):
-    write_rows: Tensor  # [B, T, H, W] int32: each write entry's row, -1 for none
-    read_rows: Tensor  # [B, T, H, R] int32: each read entry's row, -1 for none
+    write_rows: Tensor  # [B, T, H, W] int64: each write entry's row, -1 for none
+    read_rows: Tensor  # [B, T, H, R] int64: each read entry's row, -1 for none
     row_slots: Tensor  # [P, U] int64: each row's slot in the bank, -1 for unused rows
 
 
@@ -74,8 +74,8 @@ def working_rows(
     flat = torch.cat([keys(write_idx, W), keys(read_idx, R)])
     if flat.numel() == 0:
         return WorkingRows(
-            write_idx.new_full(write_idx.shape, -1, dtype=torch.int32),
-            read_idx.new_full(read_idx.shape, -1, dtype=torch.int32),
+            write_idx.new_full(write_idx.shape, -1, dtype=torch.int64),
+            read_idx.new_full(read_idx.shape, -1, dtype=torch.int64),
             write_idx.new_full((P, U), -1, dtype=torch.int64),
         )
     key, order = torch.sort(flat)
@@ -97,8 +97,9 @@ def working_rows(
     row_slots = torch.full((P * U + 1,), -1, dtype=torch.int64, device=dev)
     row_slots.scatter_reduce_(0, target, torch.where(valid, key_slot, -1), "amax")
     return WorkingRows(
-        rows[:n_write].view(write_idx.shape).to(torch.int32),
-        rows[n_write:].view(read_idx.shape).to(torch.int32),
+        # Copies: the operator returns them, and no two of its outputs may share memory.
+        rows[:n_write].view(write_idx.shape).clone(),
+        rows[n_write:].view(read_idx.shape).clone(),
         row_slots[: P * U].view(P, U),
     )
 

@@ -157,8 +157,11 @@ def test_backward_of_the_operator_run_without_keep_for_backward_raises_a_clear_e
     a = make_sdm_inputs(T=9, seed=31)
     v = a["v"].clone().requires_grad_()
     args = [dict(a, v=v).get(k) for k in ORDER]
-    _, _, kept = torch.ops.sdm.sparse_delta_memory(*args)
+    _, _, kept = torch.ops.sdm.sparse_delta_memory(*args, output_final_state=True)
     assert len(kept) == len(sdm_ops.ops.KEPT_FOR_BACKWARD)
+    # Without the final state it also keeps the working set's layout (working_set.WorkingRows).
+    _, _, kept = torch.ops.sdm.sparse_delta_memory(*args)
+    assert len(kept) == len(sdm_ops.ops.KEPT_FOR_BACKWARD) + 3
     assert not any(t.requires_grad for t in kept)
     out, _, kept = torch.ops.sdm.sparse_delta_memory(*args, keep_for_backward=False)
     assert kept == [] and out.requires_grad

@@ -161,7 +161,11 @@ def recurrence_values(args: dict, chunk_size: int) -> dict:
 def op_args(op, values: dict) -> tuple:
     """Positional arguments of ``op`` (a ``CustomOpDef``), taken from ``values`` by the names
     in its schema."""
-    return tuple(values[arg.name] for arg in op._opoverload._schema.arguments)
+    args = op._opoverload._schema.arguments
+    return tuple(
+        values[a.name] if a.name in values or not a.has_default_value() else a.default_value
+        for a in args
+    )
 
 
 # ---------------------------------------------------------------------------

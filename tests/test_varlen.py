@@ -77,8 +77,7 @@ def each_alone(
             read_w[:, t],
             bank if bank.dim() == 3 else bank[n : n + 1],
             None if decay is None else decay[:, t],
-            **kw,
-            output_final_state=True,
+            **dict(kw, output_final_state=True),
         )
         outs.append(o)
         banks.append(m.expand(1, *m.shape[1:]) if m.dim() == 4 else m[None])

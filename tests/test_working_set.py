@@ -55,7 +55,7 @@ def _check_rows(rows, write_idx, read_idx, S, P, streams_of_token):
         assert got[:n] == want.get(p, []), f"stream {p}"
         assert got[n:] == [-1] * (U - n), f"stream {p}: unused rows"
     for idx, entry_rows in ((write_idx, rows.write_rows), (read_idx, rows.read_rows)):
-        assert entry_rows.dtype == torch.int32 and entry_rows.shape == idx.shape
+        assert entry_rows.dtype == torch.int64 and entry_rows.shape == idx.shape
         B, T, H, E = idx.shape
         for b in range(B):
             for t in range(T):
@@ -251,3 +251,17 @@ def test_peak_memory_of_training_does_not_grow_with_S_but_by_the_banks_gradient(
     small, large = peak(2**16), peak(2**20)
     grad_growth = 4 * (2**20 - 2**16) * 64 * 4
     assert large - small <= grad_growth + 64 * 2**20, (small, large)
+
+
+@requires_kernels
+@pytest.mark.parametrize("final", [True, False], ids=["final_state", "working_set"])
+def test_int32_indices_equal_int64_indices_over_many_chunks(final):
+    """The index dtype changes nothing: out and every gradient bitwise, over five chunks (the
+    walks carry each chunk's indices into the next iteration, where a 32-bit index once
+    went wrong from the third chunk on)."""
+    a = make_sdm_inputs(B=2, T=70, S=9, shared=True, seed=15, device=KERNEL_DEVICE)
+    a32 = dict(a, write_idx=a["write_idx"].int(), read_idx=a["read_idx"].int())
+    out, _, grads = _run(a, final, True, 16)
+    out32, _, grads32 = _run(a32, final, True, 16)
+    assert torch.equal(out, out32)
+    assert all(torch.equal(grads[k], grads32[k]) for k in grads)

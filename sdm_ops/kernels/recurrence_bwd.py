@@ -167,7 +167,7 @@ def _recurrence_bwd_kernel(
             lcount = tl.where(hi > lo, lcount, 0)
         ltok, ltok_ok = token_rows(ltok0, h, H, lcount, ci)
         lwent, lwm = entry_offsets(ltok, ltok_ok, W, WP)
-        next_w = tl.load(write_idx + lwent, mask=lwm, other=-1)
+        next_w = tl.load(write_idx + lwent, mask=lwm, other=-1).to(tl.int64)
         # ... and its snapshot rows (the snapshot is read-only here, so the rows of the chunk
         # before can be in flight during a chunk's dependent chain).
         _, lok = bank_slots(next_w, lwm, S)
@@ -197,7 +197,7 @@ def _recurrence_bwd_kernel(
                 ncount = tl.where(n > lo, ncount, 0)
             ntok, ntok_ok = token_rows(ntok0, h, H, ncount, ci)
             nwent, nwm = entry_offsets(ntok, ntok_ok, W, WP)
-            next_w = tl.load(write_idx + nwent, mask=nwm, other=-1)
+            next_w = tl.load(write_idx + nwent, mask=nwm, other=-1).to(tl.int64)
             m0 = next_m0
             _, nok = bank_slots(next_w, nwm, S)
             next_m0 = _load_snapshot(

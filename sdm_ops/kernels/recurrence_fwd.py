@@ -264,15 +264,15 @@ def _recurrence_fwd_kernel(
         ftok, ftok_ok = token_rows(ftok0, h, H, fcount, ci)
         fwent, fwm = entry_offsets(ftok, ftok_ok, W, WP)
         frent, frm = entry_offsets(ftok, ftok_ok, R, RP)
-        next_w = tl.load(write_idx + fwent, mask=fwm, other=-1)
+        next_w = tl.load(write_idx + fwent, mask=fwm, other=-1).to(tl.int64)
         next_gw = tl.load(gather_w + fwent, mask=fwm, other=0.0)
-        next_r = tl.load(read_idx + frent, mask=frm, other=-1)
+        next_r = tl.load(read_idx + frent, mask=frm, other=-1).to(tl.int64)
         next_gr = tl.load(gather_r + frent, mask=frm, other=0.0)
         next_ws = next_w
         next_rs = next_r
         if ROWS:
-            next_ws = tl.load(write_src + fwent, mask=fwm, other=-1)
-            next_rs = tl.load(read_src + frent, mask=frm, other=-1)
+            next_ws = tl.load(write_src + fwent, mask=fwm, other=-1).to(tl.int64)
+            next_rs = tl.load(read_src + frent, mask=frm, other=-1).to(tl.int64)
         fs, fok = bank_slots(next_w, fwm, S)
         next_fw = _first_chunks(first_p, fs, fok, SOURCE)
         fs, fok = bank_slots(next_r, frm, S)
@@ -314,15 +314,15 @@ def _recurrence_fwd_kernel(
             ntok, ntok_ok = token_rows(ntok0, h, H, ncount, ci)
             nwent, nwm = entry_offsets(ntok, ntok_ok, W, WP)
             nrent, nrm = entry_offsets(ntok, ntok_ok, R, RP)
-            next_w = tl.load(write_idx + nwent, mask=nwm, other=-1)
+            next_w = tl.load(write_idx + nwent, mask=nwm, other=-1).to(tl.int64)
             next_gw = tl.load(gather_w + nwent, mask=nwm, other=0.0)
-            next_r = tl.load(read_idx + nrent, mask=nrm, other=-1)
+            next_r = tl.load(read_idx + nrent, mask=nrm, other=-1).to(tl.int64)
             next_gr = tl.load(gather_r + nrent, mask=nrm, other=0.0)
             next_ws = next_w
             next_rs = next_r
             if ROWS:
-                next_ws = tl.load(write_src + nwent, mask=nwm, other=-1)
-                next_rs = tl.load(read_src + nrent, mask=nrm, other=-1)
+                next_ws = tl.load(write_src + nwent, mask=nwm, other=-1).to(tl.int64)
+                next_rs = tl.load(read_src + nrent, mask=nrm, other=-1).to(tl.int64)
             rk = tl.load(rank + went, mask=ok, other=-1)
             vv = tl.load(v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0).to(
                 tl.float32

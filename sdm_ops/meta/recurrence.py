@@ -252,14 +252,14 @@ def sparse_delta_memory_fake(
 
 
 def working_rows_fake(write_idx, read_idx, bank, cu_seqlens):
-    """``working_set.working_rows``' outputs: the entries' rows (int32) and the rows' slots
+    """``working_set.working_rows``' outputs: the entries' rows and the rows' slots
     ``[P, U]`` (int64)."""
     B, T, H, W = write_idx.shape
     P = (B if cu_seqlens is None else cu_seqlens.shape[0] - 1) * H
     U = working_set_rows(T, W, read_idx.shape[-1], bank.shape[-2])
     return [
-        write_idx.new_empty(write_idx.shape, dtype=torch.int32),
-        read_idx.new_empty(read_idx.shape, dtype=torch.int32),
+        write_idx.new_empty(write_idx.shape, dtype=torch.int64),
+        read_idx.new_empty(read_idx.shape, dtype=torch.int64),
         write_idx.new_empty((P, U), dtype=torch.int64),
     ]
 
