@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+_SPARE = 1024  # places the keys that address nothing store into
+
 
 class WorkingRows(NamedTuple):
     write_rows: Tensor  # [B, T, H, W] int64: each write entry's row, -1 for none
@@ -63,13 +65,14 @@ def working_rows(
         stream = torch.where(seq[None, :, None] < N, seq[None, :, None] * H + heads, P)
         stream = stream.expand(B, T, H)
     U = working_set_rows(T, W, R, S)
-    # One key per entry: stream * (S + 1) + slot, slot S for an entry that addresses nothing.
+    # One key per entry: stream * (S + 1) + slot, slot S for an entry that addresses nothing;
+    # 32-bit where every key fits (a radix sort then makes half the passes).
     span = S + 1
+    key_dtype = torch.int32 if (P + 1) * span < 2**31 else torch.int64
 
     def keys(idx: Tensor, E: int) -> Tensor:
-        slot = idx.to(torch.int64)
-        slot = torch.where((slot >= 0) & (slot < S), slot, S)
-        return (stream[..., None].to(torch.int64) * span + slot).reshape(-1)
+        slot = torch.where((idx >= 0) & (idx < S), idx, S).to(key_dtype)
+        return (stream[..., None].to(key_dtype) * span + slot).reshape(-1)
 
     flat = torch.cat([keys(write_idx, W), keys(read_idx, R)])
     if flat.numel() == 0:
@@ -82,25 +85,27 @@ def working_rows(
     new = torch.ones_like(key, dtype=torch.bool)
     new[1:] = key[1:] != key[:-1]
     distinct = torch.cumsum(new, 0) - 1  # the number of distinct keys before each key
-    key_stream, key_slot = key // span, key % span
+    key_stream, key_slot = (key // span).long(), (key % span).long()
     valid = (key_slot < S) & (key_stream < P)
     # A stream's rows count from its first key: the distinct keys before it are other streams'.
-    starts = torch.searchsorted(key, torch.arange(P, device=dev, dtype=torch.int64) * span)
+    starts = torch.searchsorted(key, torch.arange(P, device=dev, dtype=key.dtype) * span)
     first = distinct[starts.clamp(max=key.numel() - 1)]
     row = distinct - first[key_stream.clamp(max=max(P - 1, 0))]
     row = torch.where(valid, row, -1)
     rows = torch.empty_like(row).scatter_(0, order, row)
     n_write = write_idx.numel()
-    # Each row's slot, from the key that starts it; a max over the candidates (the others
-    # offer -1), which no order of the reduction changes.
-    target = torch.where(valid & new, key_stream * U + row, P * U)
-    row_slots = torch.full((P * U + 1,), -1, dtype=torch.int64, device=dev)
-    row_slots.scatter_reduce_(0, target, torch.where(valid, key_slot, -1), "amax")
+    # Each row's slot: every key of the row stores the same slot there, so no order of the
+    # stores changes the result; keys that address nothing store -1 into spare places, spread
+    # so that they do not all contend for one address.
+    spare = torch.arange(key.numel(), device=dev) % _SPARE
+    target = torch.where(valid, key_stream * U + row, P * U + spare)
+    row_slots = torch.full((P * U + _SPARE,), -1, dtype=torch.int64, device=dev)
+    row_slots.scatter_(0, target, torch.where(valid, key_slot, -1))
     return WorkingRows(
         # Copies: the operator returns them, and no two of its outputs may share memory.
         rows[:n_write].view(write_idx.shape).clone(),
         rows[n_write:].view(read_idx.shape).clone(),
-        row_slots[: P * U].view(P, U),
+        row_slots[: P * U].view(P, U).clone(),
     )
 
 
