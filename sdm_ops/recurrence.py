@@ -416,11 +416,12 @@ def sparse_delta_memory_(
 
     The arguments are those of :func:`sparse_delta_memory`, in the same order.
 
-    For inference and decoding: ``T`` may be 1, and a call makes no host synchronization once
-    its arguments are checked, so it captures in a CUDA graph. ``bank`` is ``[B, H, S, D]``
-    and contiguous. A decode step (T = 1, no ``cu_seqlens``) runs as one kernel launch; longer
-    sequences shorter than ``chunk_size`` run in one chunk of the smallest allowed size that
-    holds them. Returns ``out [B, T, H, D]``.
+    For inference and decoding: ``T`` may be 1, and a call on a GPU makes no host
+    synchronization (strict checks aside, :func:`sdm_ops.set_strict_checks`), so the host
+    queues decode steps ahead of the GPU and a step captures in a CUDA graph. ``bank`` is
+    ``[B, H, S, D]`` and contiguous. A decode step (T = 1, no ``cu_seqlens``) runs as one
+    kernel launch; longer sequences shorter than ``chunk_size`` run in one chunk of the
+    smallest allowed size that holds them. Returns ``out [B, T, H, D]``.
     ``cu_seqlens`` packs N sequences as in :func:`sparse_delta_memory` (bank ``[N, H, S, D]``).
 
     Example::
