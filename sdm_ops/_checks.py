@@ -122,11 +122,20 @@ def set_strict_checks(enabled: bool) -> None:
 
     Strict: an eager call on a GPU checks that every index is -1 or in ``[0, S)`` and that
     ``cu_seqlens`` is well formed, and raises ``ValueError`` naming the argument; to read the
-    values it waits for them (an event behind the call's own reductions, not the whole stream),
-    so the host cannot run ahead of the GPU. Not strict (the default): a call on a GPU reads no
-    data and never waits; an index outside ``[0, S)`` acts as padding (-1) and malformed
-    offsets are made well formed, as in compiled code. On the CPU the checks always run (the
-    values are at hand); compiled code and CUDA-graph captures never run them.
+    values it waits on an event recorded behind the checks' reductions (and so behind all the
+    work queued before them), so the host cannot run ahead of the GPU. Not strict (the
+    default): a call on a GPU reads no data and never waits; an index outside ``[0, S)`` acts
+    as padding (-1) and malformed offsets are made well formed, as in compiled code. On the
+    CPU the checks always run (the values are at hand); compiled code and CUDA-graph captures
+    never run them.
+
+    Example::
+
+        >>> before = sdm_ops.strict_checks_enabled()
+        >>> sdm_ops.set_strict_checks(True)
+        >>> sdm_ops.strict_checks_enabled()
+        True
+        >>> sdm_ops.set_strict_checks(before)
     """
     global _strict
     if not isinstance(enabled, bool):
@@ -142,7 +151,17 @@ def strict_checks_enabled() -> bool:
 @contextlib.contextmanager
 def strict_checks(enabled: bool = True) -> Iterator[None]:
     """A context in which strict checks are ``enabled`` (see :func:`set_strict_checks`); the
-    previous setting comes back on exit. The setting is process-wide, not per thread."""
+    previous setting comes back on exit. The setting is process-wide, not per thread.
+
+    Example::
+
+        >>> with sdm_ops.strict_checks():  # eager GPU calls check the indices, and wait
+        ...     sdm_ops.strict_checks_enabled()
+        True
+        >>> with sdm_ops.strict_checks(False):  # GPU calls read no data (the default)
+        ...     sdm_ops.strict_checks_enabled()
+        False
+    """
     global _strict
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
