@@ -126,7 +126,8 @@ def test_compiled_out_of_range_indices_do_not_raise_and_count_as_padding(device)
         bad[name], padded[name] = a[name].clone(), a[name].clone()
         bad[name][pos] = value
         padded[name][pos] = -1
-    with pytest.raises(ValueError, match="write_idx"):  # eager mode checks the indices
+    # Eager mode with strict checks (on the CPU, always) checks the indices.
+    with pytest.raises(ValueError, match="write_idx"), sdm_ops.strict_checks():
         run_sdm(**bad)
     out, bank = torch.compile(run_sdm, fullgraph=True)(**bad)
     want_out, want_bank = run_sdm(**padded)

@@ -2,6 +2,7 @@
 
 from . import nn  # noqa: F401  (sdm_ops.nn.SparseDeltaMemory)
 from . import ops as _ops  # noqa: F401  (registers the sdm:: and sdm_internal:: operators)
+from ._checks import set_strict_checks, strict_checks, strict_checks_enabled
 from .product_key import TopK, product_key_topk
 from .recurrence import SDMOutput, sparse_delta_memory, sparse_delta_memory_
 from .wy import WYSolution, wy_solve
@@ -11,8 +12,11 @@ __all__ = [
     "TopK",
     "WYSolution",
     "product_key_topk",
+    "set_strict_checks",
     "sparse_delta_memory",
     "sparse_delta_memory_",
+    "strict_checks",
+    "strict_checks_enabled",
     "wy_solve",
 ]
 __version__ = "0.1.0"

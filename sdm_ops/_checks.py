@@ -3,7 +3,9 @@ naming the argument, before anything is computed or written."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -82,10 +84,96 @@ def check_int(
 
 
 def data_checks_enabled() -> bool:
-    """Checks that read tensor data (a host sync) run in eager mode only: never while
-    compiling or capturing a CUDA graph, where the kernels mask bad indices instead."""
+    """Checks that read tensor data run in eager mode only: never while compiling or capturing
+    a CUDA graph, where the kernels mask bad indices instead."""
     if torch.compiler.is_compiling():
         return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
     return True
+
+
+# Strict checks: the index ranges and cu_seqlens checked on every device, which on a GPU makes
+# the host wait for the check's values. Off unless SDM_OPS_STRICT asks (read once, at import).
+STRICT_ENV = "SDM_OPS_STRICT"
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
+def strict_from_env(value: str | None) -> bool:
+    """The strict setting that the environment variable ``SDM_OPS_STRICT`` holding ``value``
+    asks for (None: unset, off); any other word than 1/0, true/false, yes/no, on/off is a
+    ``ValueError`` naming the variable."""
+    word = (value or "").strip().lower()
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    words = ", ".join(_ON + _OFF[1:])
+    raise ValueError(f"{STRICT_ENV} must be one of {words} (or empty), got {value!r}")
+
+
+_strict = strict_from_env(os.environ.get(STRICT_ENV))
+
+
+def set_strict_checks(enabled: bool) -> None:
+    """Turn strict checks on or off for the whole process (the default comes from the
+    environment variable ``SDM_OPS_STRICT``, off when unset).
+
+    Strict: an eager call on a GPU checks that every index is -1 or in ``[0, S)`` and that
+    ``cu_seqlens`` is well formed, and raises ``ValueError`` naming the argument; to read the
+    values it waits on an event recorded behind the checks' reductions (and so behind all the
+    work queued before them), so the host cannot run ahead of the GPU. Not strict (the
+    default): a call on a GPU reads no data and never waits; an index outside ``[0, S)`` acts
+    as padding (-1) and malformed offsets are made well formed, as in compiled code. On the
+    CPU the checks always run (the values are at hand); compiled code and CUDA-graph captures
+    never run them.
+
+    Example::
+
+        >>> before = sdm_ops.strict_checks_enabled()
+        >>> sdm_ops.set_strict_checks(True)
+        >>> sdm_ops.strict_checks_enabled()
+        True
+        >>> sdm_ops.set_strict_checks(before)
+    """
+    global _strict
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _strict = enabled
+
+
+def strict_checks_enabled() -> bool:
+    """Whether strict checks are on (see :func:`set_strict_checks`)."""
+    return _strict
+
+
+@contextlib.contextmanager
+def strict_checks(enabled: bool = True) -> Iterator[None]:
+    """A context in which strict checks are ``enabled`` (see :func:`set_strict_checks`); the
+    previous setting comes back on exit. The setting is process-wide, not per thread.
+
+    Example::
+
+        >>> with sdm_ops.strict_checks():  # eager GPU calls check the indices, and wait
+        ...     sdm_ops.strict_checks_enabled()
+        True
+        >>> with sdm_ops.strict_checks(False):  # GPU calls read no data (the default)
+        ...     sdm_ops.strict_checks_enabled()
+        False
+    """
+    global _strict
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    before, _strict = _strict, enabled
+    try:
+        yield
+    finally:
+        _strict = before
+
+
+def data_checks_wanted(device: torch.device) -> bool:
+    """Whether an eager call on ``device`` reads its data to check it: always on the CPU (the
+    values are in host memory, nothing waits), on any other device only in strict mode
+    (reading them there makes the host wait for the device)."""
+    return device.type == "cpu" or _strict

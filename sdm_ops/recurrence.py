@@ -2,9 +2,12 @@
 
 Each checks its arguments and calls its operator once, ``sdm::sparse_delta_memory`` or
 ``sdm::sparse_delta_memory_`` (``sdm_ops.ops``: phase 1, the WY solve and phase 2 with no host
-synchronization), so they compile with ``fullgraph=True`` and capture in CUDA graphs. In eager
-mode the checks that read data wait for their own results (an event), not for the stream
-(``_DataChecks``).
+synchronization), so they compile with ``fullgraph=True`` and capture in CUDA graphs. The
+checks that read data (index ranges, cu_seqlens' values) run eagerly on the CPU and, in strict
+mode (``_checks.set_strict_checks``), on a GPU, where they wait for their own results (an
+event), not for the stream (``_DataChecks``); otherwise a GPU call reads no data and never
+waits: bad indices act as padding and malformed offsets are made well formed
+(``_well_formed_offsets``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ._checks import (
     check_shape,
     check_tensor,
     data_checks_enabled,
+    data_checks_wanted,
 )
 from .layout import SNAPSHOT_MODES
 
@@ -178,7 +182,8 @@ def _index_bounds(idx: Tensor) -> list[Tensor]:
 
 
 class _DataChecks(NamedTuple):
-    """The checks that read data (the index ranges, cu_seqlens' values), eager mode only.
+    """The checks that read data (the index ranges, cu_seqlens' values), eager mode only: on
+    the CPU, and on a GPU in strict mode (``_checks.data_checks_wanted``).
 
     ``start`` reduces the indices to their smallest and largest entries and copies those and
     cu_seqlens to the host without waiting (pinned memory), recording an event after the copy;
@@ -201,7 +206,12 @@ class _DataChecks(NamedTuple):
         cls, write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None, T: int
     ) -> _DataChecks | None:
         # Meta tensors hold no data to check: shapes only (what a meta-device model needs).
-        if not data_checks_enabled() or write_idx.is_meta:
+        # On a GPU the checks run in strict mode alone: reading the values makes the host wait.
+        if (
+            write_idx.is_meta
+            or not data_checks_wanted(write_idx.device)
+            or not data_checks_enabled()
+        ):
             return None
         values = torch.stack(_index_bounds(write_idx) + _index_bounds(read_idx))
         if cu_seqlens is not None:
@@ -231,6 +241,43 @@ class _DataChecks(NamedTuple):
 def _finish(checks: _DataChecks | None) -> None:
     if checks is not None:
         checks.finish()
+
+
+def _well_formed_offsets(cu_seqlens: Tensor, T: int) -> Tensor:
+    """``cu_seqlens`` made well formed on its device, without reading it on the host (what a
+    call whose data checks do not run passes on): each offset clamped to [0, T] and raised to
+    the largest before it, the first taken as 0 and the last as T. Valid offsets come back
+    unchanged; any others still split the T tokens in order into N sequences (some of them
+    empty), each token in exactly one, so every output and gradient is defined and
+    deterministic (the chunk tables alone would leave tokens to no sequence or to two)."""
+    cu = cu_seqlens.clamp(0, T)
+    cu[0] = 0
+    cu[-1] = T
+    return torch.cummax(cu, 0).values
+
+
+def _data_checks(
+    write_idx: Tensor,
+    read_idx: Tensor,
+    S: int,
+    cu_seqlens: Tensor | None,
+    T: int,
+    *,
+    defer: bool,
+) -> tuple[_DataChecks | None, Tensor | None]:
+    """Starts the checks that read data: ``(checks still to finish, the offsets to pass on)``.
+    Checks on the CPU finish here; on a GPU (strict mode) they are returned to finish after
+    the operator is queued when ``defer``, else they finish here too. Where they do not run,
+    the offsets passed on are ``_well_formed_offsets``."""
+    checks = _DataChecks.start(write_idx, read_idx, S, cu_seqlens, T)
+    if checks is None:
+        if cu_seqlens is not None:
+            cu_seqlens = _well_formed_offsets(cu_seqlens, T)
+        return None, cu_seqlens
+    if not defer or checks.ready is None:  # on the CPU the values are at hand
+        checks.finish()
+        checks = None
+    return checks, cu_seqlens
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
@@ -268,6 +315,9 @@ def sparse_delta_memory(
         v: ``[B, T, H, D]`` float32 or bfloat16, D in {16, 32, 64, 128, 256}.
         beta: ``[B, T, H]`` float32 or bfloat16.
         write_idx: ``[B, T, H, W]`` int32 or int64, -1 (padding) or a slot in [0, S); W <= 64.
+            An eager call rejects any other entry on the CPU and, with strict checks on
+            (:func:`sdm_ops.set_strict_checks`), on a GPU; elsewhere (a GPU by default,
+            compiled code, CUDA graphs) it acts as padding.
         write_w: ``[B, T, H, W]`` float32 or bfloat16.
         read_idx, read_w: ``[B, T, H, R]``, likewise; R <= 64.
         bank: ``[B, H, S, D]``, or ``[H, S, D]`` shared by the batch; float32 or bfloat16.
@@ -277,7 +327,9 @@ def sparse_delta_memory(
             chunk) are kept: "none" (exact), "bf16", "fp8", "int4". Nothing is kept when no
             input requires grad (or grad mode is off).
         cu_seqlens: optional ``[N + 1]`` int32 or int64 offsets of N sequences packed into one
-            batch (starting at 0, non-decreasing, ending at T), as in flash-attention and fla.
+            batch (starting at 0, non-decreasing, ending at T), as in flash-attention and fla;
+            checked as the indices are; where unchecked, malformed offsets are clamped to
+            [0, T], each raised to the largest before it, the first and last taken as 0 and T.
             The inputs are then ``[1, T, H, ...]``, sequence n is tokens
             ``cu_seqlens[n] : cu_seqlens[n + 1]``, the bank is ``[N, H, S, D]`` (or a shared
             ``[H, S, D]``), and each sequence runs from its own bank as if alone; its chunks
@@ -322,10 +374,9 @@ def sparse_delta_memory(
         output_final_state,
         inplace=False,
     )
-    checks = _DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1])
-    if checks is not None and checks.ready is None:  # on the CPU the values are at hand
-        checks.finish()
-        checks = None
+    checks, cu_seqlens = _data_checks(
+        write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1], defer=True
+    )
     # Without autograd nothing is kept for a backward: no snapshot, and phase 2 runs in place
     # on a copy of the bank (what inference and evaluation pay).
     keep = _needs_grad(v, beta, write_w, read_w, bank, decay)
@@ -365,11 +416,12 @@ def sparse_delta_memory_(
 
     The arguments are those of :func:`sparse_delta_memory`, in the same order.
 
-    For inference and decoding: ``T`` may be 1, and a call makes no host synchronization once
-    its arguments are checked, so it captures in a CUDA graph. ``bank`` is ``[B, H, S, D]``
-    and contiguous. A decode step (T = 1, no ``cu_seqlens``) runs as one kernel launch; longer
-    sequences shorter than ``chunk_size`` run in one chunk of the smallest allowed size that
-    holds them. Returns ``out [B, T, H, D]``.
+    For inference and decoding: ``T`` may be 1, and a call on a GPU makes no host
+    synchronization (strict checks aside, :func:`sdm_ops.set_strict_checks`), so the host
+    queues decode steps ahead of the GPU and a step captures in a CUDA graph. ``bank`` is
+    ``[B, H, S, D]`` and contiguous. A decode step (T = 1, no ``cu_seqlens``) runs as one
+    kernel launch; longer sequences shorter than ``chunk_size`` run in one chunk of the
+    smallest allowed size that holds them. Returns ``out [B, T, H, D]``.
     ``cu_seqlens`` packs N sequences as in :func:`sparse_delta_memory` (bank ``[N, H, S, D]``).
 
     Example::
@@ -399,7 +451,9 @@ def sparse_delta_memory_(
     )
     if not bank.is_contiguous():
         raise ValueError("bank must be contiguous to be updated in place")
-    _finish(_DataChecks.start(write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1]))
+    _, cu_seqlens = _data_checks(
+        write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1], defer=False
+    )
     return ops.sparse_delta_memory_(
         v,
         beta,

@@ -242,13 +242,15 @@ def test_snapshot_holds_each_entrys_chunk_start_row_within_its_mode_error(mode):
     assert err <= bound, f"snapshot {mode}: max error {err:.3e} of the row's amax > {bound:.3e}"
 
 
-def test_out_of_range_indices_are_rejected_in_eager_mode():
+def test_out_of_range_indices_are_rejected_in_eager_mode_with_strict_checks():
+    """Strict checks reject them on any device (the CPU checks without them too; a GPU by
+    default reads no data: tests/test_strict_checks.py)."""
     a = _inputs(T=5)
     for name, bad in (("write_idx", 11), ("read_idx", -2)):
         b = dict(a)
         b[name] = a[name].clone()
         b[name][1, 2, 0, 0] = bad
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(ValueError, match=name), sdm_ops.strict_checks():
             _run(b)
 
 

@@ -1,5 +1,6 @@
-"""Bad input fails loudly, in eager mode, naming the argument, and writes nothing; edge cases
-that are legal work (every entry padding, NaN values, mixed index dtypes, permuted inputs)."""
+"""Bad input fails loudly, in eager mode, naming the argument, and writes nothing (the checks
+that read data: on the CPU, and on a GPU with strict checks); edge cases that are legal work
+(every entry padding, NaN values, mixed index dtypes, permuted inputs)."""
 
 import warnings
 
@@ -199,11 +200,17 @@ def test_data_checks_name_the_first_bad_argument():
 
 @requires_cuda
 @pytest.mark.parametrize("packed", [False, True])
-def test_an_eager_call_waits_for_its_checks_not_for_the_stream(packed):
-    # The index-range and cu_seqlens checks read data. An eager call copies their results to
-    # pinned memory and waits on an event for them alone, with phase 1 queued behind them, so
-    # it makes no stream or device synchronization and no blocking copy; and the checks still
-    # reject bad data on the GPU before the bank is written.
+def test_a_strict_eager_call_waits_for_its_checks_not_for_the_stream(packed):
+    # With strict checks the index-range and cu_seqlens checks read data on the GPU. An eager
+    # call copies their results to pinned memory and waits on an event for them alone, with
+    # phase 1 queued behind them, so it makes no stream or device synchronization and no
+    # blocking copy; and the checks reject bad data on the GPU before the bank is written.
+    # (Without strict checks a GPU call reads no data: tests/test_strict_checks.py.)
+    with sdm_ops.strict_checks():
+        _strict_call_waits_for_its_checks(packed)
+
+
+def _strict_call_waits_for_its_checks(packed):
     if packed:
         a = make_packed_sdm_inputs([5, 9, 3], device="cuda", seed=3)
     else:

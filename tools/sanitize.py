@@ -14,9 +14,11 @@ checks that no access left its tensor. Parts (``--parts``, comma-separated):
   ``sparse_delta_memory_`` over several chunks; ``sparse_delta_memory`` without autograd
   (the inference forward: its bank copy on a second stream beside phase 1, then phase 2 in
   place on the copy). The public functions reject out-of-range
-  indices in eager mode (a ``ValueError``; checked once here), so the bad calls run inside
-  :func:`unchecked`, which switches off the checks that read data, as compiled code and CUDA
-  graph capture do; everything else is the public call.
+  indices in eager mode on the CPU and, with strict checks on, on a GPU (a ``ValueError``;
+  checked once here, as is the GPU default, where an eager call reads no data and the bad
+  indices reach the kernels), so the bad calls run inside :func:`unchecked`, which switches
+  off the checks that read data, as compiled code and CUDA graph capture do; everything else
+  is the public call.
 - ``compiled``: the same calls inside ``torch.compile(fullgraph=True)`` (those checks are
   skipped while compiling), one compiled function reused for both calls of a case.
 - ``graphs``: ``sparse_delta_memory_`` decode steps (also of packed sequences) captured in a
@@ -51,7 +53,7 @@ from unittest import mock
 import torch
 from torch import Tensor
 
-from sdm_ops import recurrence, reference
+from sdm_ops import recurrence, reference, strict_checks
 from sdm_ops.kernels._common import interpreting, kernels_on_cpu
 from sdm_ops.product_key import product_key_topk
 from sdm_ops.recurrence import sparse_delta_memory, sparse_delta_memory_
@@ -392,16 +394,23 @@ def inference_case(
 
 
 def eager_check_rejects_bad_indices(device: torch.device) -> str:
-    """Without :func:`unchecked`, the eager public function refuses the bad indices: the
-    eager cases reach the kernels only through it."""
+    """Without :func:`unchecked` and with strict checks on, the eager public function refuses
+    the bad indices: the eager cases reach the kernels only through it. On a GPU the default
+    (no strict checks) reads no data: there the bad call equals the padded one bitwise."""
     a = make_inputs(dtype=F32, decay=True, shared=False, index_dtype=I64, seed=0)
-    bad = to_device(with_out_of_range(a, 0)[0], device)
+    bad, padded, count = with_out_of_range(a, 0)
+    bad, padded = to_device(bad, device), to_device(padded, device)
+    default = ""
+    if device.type == "cuda":
+        got, want = inference(sdm, bad), inference(sdm, padded)
+        names = assert_same(got, want, "the padded call")
+        default = f"; by default {count} out-of-range indices: {names} equal the padded call"
     try:
-        with kernels(device), torch.no_grad():
+        with kernels(device), torch.no_grad(), strict_checks():
             sdm(**bad)
     except ValueError as e:
-        return f"raises ValueError: {e}; the eager cases below run unchecked()"
-    raise AssertionError("sparse_delta_memory accepted out-of-range indices in eager mode")
+        return f"strict: raises ValueError: {e}{default}; the eager cases below run unchecked()"
+    raise AssertionError("sparse_delta_memory accepted out-of-range indices in strict mode")
 
 
 def graph_case(
@@ -610,7 +619,7 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
     if "eager" in parts:
         cases.run(
             "eager",
-            "sparse_delta_memory, index check on",
+            "sparse_delta_memory, index check on (strict)",
             lambda: eager_check_rejects_bad_indices(device),
         )
         for config in functional_configs():
