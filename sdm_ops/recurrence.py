@@ -250,9 +250,11 @@ def _well_formed_offsets(cu_seqlens: Tensor, T: int) -> Tensor:
     unchanged; any others still split the T tokens in order into N sequences (some of them
     empty), each token in exactly one, so every output and gradient is defined and
     deterministic (the chunk tables alone would leave tokens to no sequence or to two)."""
+    # Tensor operations only: an item assignment copies a host scalar in, which waits for the
+    # GPU and cannot be captured.
+    at = torch.arange(cu_seqlens.shape[0], device=cu_seqlens.device)
     cu = cu_seqlens.clamp(0, T)
-    cu[0] = 0
-    cu[-1] = T
+    cu = torch.where(at == 0, 0, torch.where(at == at.shape[0] - 1, T, cu)).to(cu_seqlens.dtype)
     return torch.cummax(cu, 0).values
 
 
