@@ -100,7 +100,10 @@ def _check_args(
     if D not in HEAD_DIMS:
         raise ValueError(f"v's last dimension D must be one of {list(HEAD_DIMS)}, got {D}")
     check_tensor("beta", beta, ndim=3, dtypes=FLOAT_DTYPES)
-    if tuple(beta.shape) == (B, H, T) and H != T:
+    # The head-first guesses below compare T with H: only for a concrete T, since comparing a
+    # symbolic one (torch.export's dynamic dimensions) would specialize it to differ from H.
+    concrete_t = isinstance(T, int)
+    if concrete_t and tuple(beta.shape) == (B, H, T) and H != T:
         raise _head_first(v, T, "beta", "")
     check_shape("beta", beta, (B, T, H), "[B, T, H]")
     check_tensor("write_idx", write_idx, ndim=4, dtypes=INDEX_DTYPES)
@@ -140,7 +143,7 @@ def _check_args(
         banks, lead = cu_seqlens.shape[0] - 1, "N"
     check_tensor("bank", bank, ndim=(4,) if inplace else (3, 4), dtypes=FLOAT_DTYPES)
     S = bank.shape[-2]
-    if bank.shape[-3] == T != H and bank.shape[-1] == D:
+    if concrete_t and bank.shape[-3] == T != H and bank.shape[-1] == D:
         # Every per-token input agrees with v, so all of them are head-first: only the bank,
         # whose heads are not in time's place, shows it.
         raise _head_first(
