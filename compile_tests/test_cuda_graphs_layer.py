@@ -1,18 +1,14 @@
-"""The ``SparseDeltaMemory`` layer under CUDA graphs and on two GPUs: training steps under
+"""The ``SparseDeltaMemory`` layer under CUDA graphs: training steps under
 ``torch.compile(mode="reduce-overhead")`` equal to eager and replayed from CUDA graphs; decode
 steps (``step_``) captured by hand in a ``torch.cuda.graph`` and replayed equal to eager steps;
 the sdm Triton kernels that Inductor's output code holds for the layer's forward and backward
-(an expecttest); ``DistributedDataParallel`` on two GPUs equal to one GPU on the whole batch.
-CUDA only (two GPUs for DDP); every test here is skipped on CPU.
+(an expecttest). CUDA only; every test here is skipped on CPU. Data-parallel training (DDP,
+FSDP2) is in tests/test_distributed.py.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import socket
-from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +22,9 @@ from compile_tests import (
     launched_kernels,
 )
 from sdm_ops.nn import SparseDeltaMemory
-from tests.helpers import assert_close, capture, kernel_modules, requires_cuda, requires_multi_gpu
+from tests.helpers import assert_close, capture, kernel_modules, requires_cuda
 
 RTOL = 1e-4  # compiled or captured against eager, after SGD steps: float32 rounding
-DDP_RTOL = 1e-5  # two GPUs against one: float32 reduction order only
 B, T, D_MODEL = 2, 24, 32
 LR = 0.1
 
@@ -216,99 +211,3 @@ _chunk_prepare_bwd_kernel _chunk_prepare_kernel _chunk_sort_bwd_kernel _chunk_so
 _dual_matmul_bwd_kernel _first_writes_kernel _fwd_diag_kernel _fwd_panel_kernel \
 _product_key_topk_bwd _product_key_topk_fwd _recurrence_bwd_kernel _recurrence_fwd_kernel""",
     )
-
-
-# ---------------------------------------------------------------------------
-# DistributedDataParallel on two GPUs
-# ---------------------------------------------------------------------------
-
-DDP_BATCH, DDP_STEPS = 4, 4
-
-
-def train_steps(
-    model: nn.Module, steps: int, device: torch.device, rank: int = 0, world_size: int = 1
-) -> list[float]:
-    """SGD steps on rank ``rank``'s share of each global batch ``make_batch(step,
-    DDP_BATCH)``; returns the global mean loss of every step (all-reduced over ranks when
-    distributed)."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    share = DDP_BATCH // world_size
-    losses = []
-    for step in range(steps):
-        x, y = (
-            t[rank * share : (rank + 1) * share].to(device) for t in make_batch(step, DDP_BATCH)
-        )
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        if world_size > 1:
-            torch.distributed.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses
-
-
-def ddp_worker(
-    rank: int, world_size: int, port: int, backend: str, device_type: str, out_path: str
-) -> None:
-    """One rank (``torch.multiprocessing.spawn``'s target, hence module level): train a DDP
-    copy of ``make_model()`` for DDP_STEPS steps; rank 0 writes the losses and its final
-    parameters to ``out_path``. Only MASTER_ADDR / MASTER_PORT are set; every other variable
-    of the environment (NCCL's included) is left as the machine set it."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-    torch.distributed.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-    )
-    try:
-        model = make_model().to(device)
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[rank] if device_type == "cuda" else None
-        )
-        losses = train_steps(ddp, DDP_STEPS, device, rank, world_size)
-        if rank == 0:
-            torch.save({"losses": losses, "params": params_of(model)}, out_path)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ddp(backend: str, device_type: str, out_path: str, world_size: int = 2) -> dict:
-    torch.multiprocessing.spawn(
-        ddp_worker,
-        nprocs=world_size,
-        args=(world_size, free_port(), backend, device_type, out_path),
-    )
-    return torch.load(out_path)
-
-
-@requires_multi_gpu
-def test_ddp_on_two_gpus_matches_one_gpu_on_the_whole_batch(tmp_path):
-    # One GPU first: it also fills Triton's kernel cache for the two ranks.
-    model = make_model().cuda()
-    want_losses = train_steps(model, DDP_STEPS, torch.device("cuda", 0))
-    want_params = params_of(model)
-    got = run_ddp("nccl", "cuda", str(tmp_path / "rank0.pt"))
-    assert len(got["losses"]) == DDP_STEPS
-    assert want_losses[-1] != want_losses[0], "the loss did not move: SGD did nothing"
-    for step, (g, w) in enumerate(zip(got["losses"], want_losses)):
-        assert_close(
-            torch.tensor(g),
-            torch.tensor(w),
-            rtol=DDP_RTOL,
-            name=f"global loss at step {step} (2 GPUs {json.dumps(got['losses'])}, "
-            f"1 GPU {json.dumps(want_losses)})",
-        )
-    for name, w in want_params.items():
-        assert_close(got["params"][name], w, rtol=DDP_RTOL, name=f"rank 0's {name}")

@@ -6,23 +6,26 @@
 #   all (default)  every test but those that need two GPUs: -m "not multi_gpu"
 #   fast           the same without the slow tests: -m "not slow and not multi_gpu"
 #   slow           the slow tests alone (each takes minutes, most of it compiling): -m slow
-#   multi_gpu      the tests that need two or more GPUs: -m multi_gpu
+#   multi_gpu      the tests that need two or more GPUs: -m multi_gpu (among them
+#                  tests/test_distributed.py's DDP and FSDP2 runs on two GPUs), one test at a
+#                  time (WORKERS default 0: no xdist), as each of them takes both GPUs
 #
 # fast and slow split `all` into two runs where each must fit a time limit. The markers are
 # registered in pyproject.toml; tests/helpers.py's requires_cuda and requires_multi_gpu apply
 # them. Wheels in .whl/ (packages the machine lacks, e.g. expecttest) are installed into
 # /tmp/site first; Triton's cache goes to TRITON_CACHE_DIR (default /tmp/sdm_triton_cache).
-# WORKERS: pytest-xdist workers (default: the CPU count). PYTEST_TIMEOUT: seconds before the
-# run is cut (default: none). OUT: a folder for the verbose log, $OUT/pytest-PART.log (a cut
-# run still names what finished); stdout then gets the summary.
+# WORKERS: pytest-xdist workers (default: the CPU count; multi_gpu: 0). PYTEST_TIMEOUT:
+# seconds before the run is cut (default: none). OUT: a folder for the verbose log,
+# $OUT/pytest-PART.log (a cut run still names what finished); stdout then gets the summary.
 set -uo pipefail
 part=${1:-all}
 [ $# -gt 0 ] && shift
+workers=$(nproc)
 case "$part" in
     all) marks="not multi_gpu" ;;
     fast) marks="not slow and not multi_gpu" ;;
     slow) marks="slow and not multi_gpu" ;;
-    multi_gpu) marks="multi_gpu" ;;
+    multi_gpu) marks="multi_gpu" workers=0 ;;
     *) echo "usage: bash tools/gpu_suite.sh [all|fast|slow|multi_gpu] [pytest arguments]" >&2
        exit 2 ;;
 esac
@@ -36,7 +39,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/sdm_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-cmd=(timeout "${PYTEST_TIMEOUT:-0}" python3 -m pytest -n "${WORKERS:-$(nproc)}" -p no:cacheprovider
+cmd=(timeout "${PYTEST_TIMEOUT:-0}" python3 -m pytest -n "${WORKERS:-$workers}" -p no:cacheprovider
      -rfEs --durations=15 -m "$marks" tests compile_tests "$@")
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
