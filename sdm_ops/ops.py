@@ -4,10 +4,12 @@ Namespace ``sdm`` (``torch.ops.sdm``) holds the public operators, one for each p
 which call it once after checking their arguments:
 
 * ``sdm::sparse_delta_memory(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
-  chunk_size=64, snapshot="none", cu_seqlens=None, *, keep_for_backward=True)
-  -> (out, bank_out, kept)``: the recurrence, functional. ``kept`` holds what its backward reads
-  (``KEPT_FOR_BACKWARD``; empty with ``keep_for_backward=False``, which runs the inference
-  forward: no snapshot, phase 2 in place on a copy of the bank).
+  chunk_size=64, snapshot="none", cu_seqlens=None, output_final_state=False, *,
+  keep_for_backward=True) -> (out, bank_out, kept)``: the recurrence, functional. ``kept``
+  holds what its backward reads (``KEPT_FOR_BACKWARD``, then without the final state the
+  working set's layout, ``working_set.WorkingRows``; empty with ``keep_for_backward=False``,
+  which keeps no snapshot). ``bank_out`` is the final state with ``output_final_state``, else
+  an empty tensor: phase 2 then runs on the working set of touched rows.
 * ``sdm::sparse_delta_memory_(v, beta, write_idx, write_w, read_idx, read_w, bank(a!),
   decay=None, chunk_size=64, cu_seqlens=None) -> out``: the recurrence updating ``bank``.
 * ``sdm::product_key_topk(raw, factors, k) -> (val, lin)``.
@@ -17,8 +19,8 @@ Namespace ``sdm_internal`` holds the pieces they run, which take contiguous inpu
 tables of a packed batch (``varlen_chunks``), phase 1 (``chunk_prepare``), phase 2
 (``recurrence_fwd``; ``recurrence_fwd_`` in place), the bank copy (``bank_copy``), the decode
 step (``decode_step_``), the backward operators (``wy_solve_backward``,
-``product_key_topk_backward``, ``recurrence_bwd``, ``chunk_prepare_backward``) and the CPU
-twins ``<op>_reference``.
+``product_key_topk_backward``, ``recurrence_bwd``, ``chunk_prepare_backward``), the working
+set's bank gradient (``rows_to_bank``) and the CPU twins ``<op>_reference``.
 
 Each operator is a ``torch.library.triton_op``. The body of an internal operator launches
 Triton kernels (through the launchers of ``sdm_ops.kernels``, which use ``wrap_triton``) when

@@ -63,6 +63,7 @@ def test_every_readme_example_is_tested():
         "Decode under a CUDA graph",
         "Packed variable-length batches",
         "Run opcheck",
+        "Serve with torch.export / AOTInductor",
     }
     assert set(readme_examples()) == tested
 
@@ -105,6 +106,14 @@ def test_readme_packed_example_runs_each_sequence_from_the_shared_bank():
     torch.testing.assert_close(ns["out"][:, 120:], alone.out)
 
 
+def test_readme_serve_example_decodes_from_the_packages(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the example writes its packages to the working directory
+    ns = run_example("Serve with torch.export / AOTInductor")
+    assert ns["logits"].shape == (4, 1, 256)
+    assert [tuple(s.shape) for s in ns["states"]] == [(4, 2, 256, 32)] * 2
+    assert (tmp_path / "prompt.pt2").exists() and (tmp_path / "decode.pt2").exists()
+
+
 def test_readme_opcheck_example_passes():
     # opcheck raises where an operator fails one of its checks.
     ns = run_example("Run opcheck")
@@ -132,6 +141,8 @@ def test_readme_benchmark_table_is_rendered_from_the_committed_results():
             str(results),
             "--section",
             "main",
+            "--section",
+            "scaling",
             "--section",
             "decode",
             "--section",

@@ -51,6 +51,11 @@ and ``first`` [B * H, S], ``bank_copy.first_writes``), the state starts from ``s
 chunk writes. The one-tile path loads the next chunk's ``first`` entries after its dots, with
 the next chunk's indices long arrived.
 
+With a working set (``ROWS``: ``write_src`` and ``read_src``, see ``sdm_ops/working_set.py``),
+``bank`` is ``[P, U, D]``, ``write_idx`` and ``read_idx`` hold the entries' rows in it and
+``first`` is ``[P, U]``; a read from the source bank goes to the entry's own slot there
+(``write_src`` / ``read_src``), and nothing is copied beforehand.
+
 A packed batch (``cu_seqlens``; B = 1): a program owns sequence n = p // H of head h and walks
 its chunk slots seq_chunks[n] : seq_chunks[n + 1], each slot's tokens read from the table
 ``chunks`` (see ``chunk_prepare``); X, QX are [1, H, NC, C, C] and the bank [N, H, S, D].
