@@ -680,6 +680,17 @@ def test_opcheck_bank_copy(device, shared, programs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared", [False, True], ids=["per_stream", "shared"])
+def test_opcheck_rows_to_bank(device, shared):
+    # 3 banks of 2 heads, U = 4 rows a stream over S = 6 slots; unused rows are -1.
+    g = torch.Generator().manual_seed(33)
+    grad_rows = torch.randn(3, 2, 4, 16, generator=g).to(device)
+    row_slots = torch.stack([torch.randperm(6, generator=g)[:4] for _ in range(6)])
+    row_slots[1, 2:] = -1
+    opcheck(ops.rows_to_bank, (grad_rows, row_slots.to(device), 6, shared))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_opcheck_varlen_chunks(device, dtype):
     cu = torch.tensor([0, 0, 5, 21, 58, 59, 59, 79], dtype=dtype, device=device)
