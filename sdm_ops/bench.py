@@ -808,27 +808,31 @@ def section_state(run: Run) -> None:
     for i, (kind, size) in enumerate(cases, 1):
         name = f"sdm S={size}" if kind == "sdm" else f"fla K={size}"
         t.progress(i, len(cases), name)
+        B, T = state_batch(B0, T0, H, size, D) if kind == "sdm" else (B0, T0)
+        row, error = None, None
         try:
             if kind == "sdm":
-                B, T = state_batch(B0, T0, H, size, D)
-                a = make_workload(B, T, H, D, size, W, R, decay=False, bank_dtype=torch.float32)
-                fwd_bwd = forward_backward_fn(a, C)
-                row = {
-                    **timed("fwd", forward_fn(a, C)),
-                    "in_place_graph_ms": _timing.graph_ms(in_place_fn(a, C)),
-                    **timed("fwd_bwd", fwd_bwd),
-                }
-                del a, fwd_bwd
+                row = _sdm_state_row(B, T, H, D, size, W, R, C)
             else:
-                B, T = B0, T0
                 row = _fla_state_row(fla, B, T, H, size, D)
         except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
-            first = (str(e).strip().splitlines() or [""])[0][:100]
-            t.note(f"{name} skipped: {type(e).__name__}: {first}")
-            _free()
+            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:100]}"
+        _free()  # after the except block, whose traceback holds the call's tensors
+        if error is not None:
+            t.note(f"{name} skipped: {error}")
             continue
         t.add(name, kind=kind, B=B, T=T, state=size * D, **row)
-        _free()
+
+
+def _sdm_state_row(B: int, T: int, H: int, D: int, S: int, W: int, R: int, C: int) -> dict:
+    """``sparse_delta_memory`` timed at S slots (float32 bank, no decay): forward, in-place
+    forward and forward+backward."""
+    a = make_workload(B, T, H, D, S, W, R, decay=False, bank_dtype=torch.float32)
+    return {
+        **timed("fwd", forward_fn(a, C)),
+        "in_place_graph_ms": _timing.graph_ms(in_place_fn(a, C)),
+        **timed("fwd_bwd", forward_backward_fn(a, C)),
+    }
 
 
 def _fla_state_row(fla, B: int, T: int, H: int, K: int, V: int) -> dict:
@@ -868,14 +872,16 @@ def plot_state(results: dict, path: str) -> str:
     """A PNG of the ``state`` section of bench results (``Run.as_json``, or a ``--json``
     file): nanoseconds per token against state elements per head, both axes logarithmic,
     one line per call (the graph replay's time, the eager one where the graph's is missing).
-    ValueError when the results hold no state section with rows; ImportError without
-    matplotlib. Returns ``path``."""
+    Points measured with fewer sequences than the section's most (B lowered to keep the bank
+    in memory: less parallel work a call) have open markers. ValueError when the results hold
+    no state section with timings; ImportError without matplotlib. Returns ``path``."""
     section = next((s for s in results.get("sections", []) if s.get("name") == "state"), None)
     if section is None or not section.get("rows"):
         raise ValueError("the results hold no 'state' section with rows to plot")
+    most = max(row["B"] for row in section["rows"])
     fig = _plot.new_figure(7.5, 4.8)
     ax = fig.add_subplot()
-    drawn = 0
+    drawn = lowered = 0
     for kind, figure, label, color, style in STATE_LINES:
         points = []
         for row in section["rows"]:
@@ -884,14 +890,39 @@ def plot_state(results: dict, path: str) -> str:
                 ms = row.get(f"{figure}_ms")
             if row.get("kind") != kind or ms is None:
                 continue
-            points.append((row["state"], ms * 1e6 / (row["B"] * row["T"])))
-        if points:
-            points.sort()
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, linestyle=style, color=color, marker="o", markersize=4, label=label)
-            drawn += 1
+            points.append((row["state"], ms * 1e6 / (row["B"] * row["T"]), row["B"] < most))
+        if not points:
+            continue
+        points.sort()
+        xs, ys, _ = zip(*points)
+        ax.plot(xs, ys, linestyle=style, color=color, label=label)
+        full = [(x, y) for x, y, b in points if not b]
+        part = [(x, y) for x, y, b in points if b]
+        for pts, face in ((full, color), (part, "white")):
+            if pts:
+                ax.plot(
+                    *zip(*pts),
+                    linestyle="",
+                    marker="o",
+                    markersize=4,
+                    color=color,
+                    markerfacecolor=face,
+                )
+        drawn += 1
+        lowered += len(part)
     if not drawn:
         raise ValueError("the 'state' section holds no timings to plot")
+    if lowered:
+        ax.plot(
+            [],
+            [],
+            linestyle="",
+            marker="o",
+            markersize=4,
+            color="gray",
+            markerfacecolor="white",
+            label=f"fewer than {most} sequences a call",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("state per head (elements, log2)")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -64,8 +65,10 @@ PARAM_TOLERANCE = 0.10  # the largest relative difference of the two layers' par
 # ---------------------------------------------------------------------------
 
 
+@functools.cache
 def fla_delta_rule() -> tuple[Callable | None, str | None]:
-    """(fla-core's ``chunk_delta_rule``, None), or (None, why it does not import)."""
+    """(fla-core's ``chunk_delta_rule``, None), or (None, why it does not import); tried
+    once."""
     try:
         from fla.ops.delta_rule import chunk_delta_rule
     except Exception as e:  # noqa: BLE001 - a missing or broken optional install
@@ -83,14 +86,14 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     cuda = torch.device(device).type == "cuda"
     if backend == "sdm":
         return "sdm"
+    if backend == "auto":
+        return "fla" if cuda and fla_delta_rule()[0] is not None else "sdm"
     fn, why = fla_delta_rule()
-    if backend == "fla":
-        if fn is None:
-            raise ValueError(f"backend 'fla' needs fla-core (pip install fla-core): {why}")
-        if not cuda:
-            raise ValueError(f"backend 'fla' runs on a CUDA device, not {device}")
-        return "fla"
-    return "fla" if fn is not None and cuda else "sdm"
+    if fn is None:
+        raise ValueError(f"backend 'fla' needs fla-core (pip install fla-core): {why}")
+    if not cuda:
+        raise ValueError(f"backend 'fla' runs on a CUDA device, not {device}")
+    return "fla"
 
 
 BACKEND_NAMES = {
@@ -111,9 +114,11 @@ class DenseDeltaRule(nn.Module):
         S = S + beta_t k_t (v_t - S^T k_t)^T
         o_t = S^T q_t
 
-    and ``y = o_proj(o * silu(g))`` over the heads (the gate as in fla's DeltaNet layer; it
-    brings the parameter count to that of a :class:`SparseDeltaMemory` with
-    ``key_dim * len(factors) = head_dim`` and ``mean(factors) = d_model``).
+    and ``y = o_proj(o * 2 sigmoid(g))`` over the heads. The gate brings the parameter count
+    to that of a :class:`SparseDeltaMemory` with ``key_dim * len(factors) = head_dim`` and
+    ``mean(factors) = d_model``; its projection starts at zero, so the layer starts as plain
+    DeltaNet (a gate of 1) and learns to gate from there (a randomly initialized SiLU gate,
+    as in fla's DeltaNet layer, slows this layer's learning of recall several times over).
 
     Args:
         d_model: input and output width.
@@ -159,6 +164,7 @@ class DenseDeltaRule(nn.Module):
         self.v_proj = nn.Linear(d_model, width, bias=False)
         self.b_proj = nn.Linear(d_model, heads)
         self.g_proj = nn.Linear(d_model, width, bias=False)
+        nn.init.zeros_(self.g_proj.weight)  # a gate of 2 sigmoid(0) = 1 at first
         self.o_proj = nn.Linear(width, d_model, bias=False)
 
     def extra_repr(self) -> str:
@@ -197,7 +203,8 @@ class DenseDeltaRule(nn.Module):
             o, _ = sparse_delta_memory(
                 v, beta, slots, k, slots, q, state, chunk_size=self.chunk_size
             )
-        return self.o_proj(o.reshape(B, T, H * D) * F.silu(self.g_proj(x)))
+        gate = 2 * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o.reshape(B, T, H * D) * gate)
 
 
 # ---------------------------------------------------------------------------
@@ -221,6 +228,7 @@ class Config:
     layers: int = 2
     chunk_size: int = 64
     steps: int = 600
+    first_steps: int | None = None  # a new model's steps; None: twice ``steps``
     batch_tokens: int = 65536
     max_batch: int = 32
     lr: float = 5e-3
@@ -229,12 +237,15 @@ class Config:
     eval_sequences: int = 256
     seed: int = 0
     dense_backend: str = "auto"
-    compile: bool = False
     warm_start: bool = True
 
     @property
     def num_keys(self) -> int:
         return self.keys if self.keys is not None else max(self.pairs)
+
+    @property
+    def new_model_steps(self) -> int:
+        return self.first_steps if self.first_steps is not None else 2 * self.steps
 
     @property
     def slots(self) -> int:
@@ -266,7 +277,15 @@ class Config:
                 f"head_dim ({self.head_dim}) must be a multiple of the number of factors "
                 f"({len(self.factors)}): the SDM layer's key_dim is head_dim / len(factors)"
             )
-        for name in ("max_queries", "values", "steps", "batch_tokens", "max_batch", "layers"):
+        for name in (
+            "max_queries",
+            "values",
+            "steps",
+            "new_model_steps",
+            "batch_tokens",
+            "max_batch",
+            "layers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.eval_sequences < 1:
@@ -285,7 +304,7 @@ SMALL = Config(
     layers=2,
     chunk_size=16,
     steps=250,
-    batch_tokens=768,
+    batch_tokens=512,
     max_batch=32,
     lr=1e-2,
     warmup=20,
@@ -411,6 +430,7 @@ class Trained:
     seq_len: int
     batch: int
     queries: int
+    steps: int
     recall: float
     train_s: float
     final_loss: float
@@ -433,18 +453,19 @@ def train_point(
     log: Callable[[str], None] = print,
     log_interval: float = 5.0,
 ) -> Trained:
-    """Train model ``kind`` on ``pairs`` pairs for ``cfg.steps`` steps (AdamW, linear warmup,
-    cosine decay; batches drawn from ``cfg.seed`` and ``pairs``, the same for both models)
-    and evaluate it on :func:`eval_batch`. ``model`` continues training a model of this kind
-    (updated in place); without it, a new one (:func:`build_model`). Progress lines go to
-    ``log``, each prefixed with the model and the pairs."""
+    """Train model ``kind`` on ``pairs`` pairs (AdamW, linear warmup, cosine decay; batches
+    drawn from ``cfg.seed`` and ``pairs``, the same for both models) and evaluate it on
+    :func:`eval_batch`. ``model`` continues training a model of this kind (updated in place)
+    for ``cfg.steps`` steps; without it, a new one (:func:`build_model`) trains
+    ``cfg.new_model_steps``. Progress lines go to ``log``, each prefixed with the model and
+    the pairs."""
     device = torch.device(device)
     task = cfg.task(pairs)
-    B, Q, steps = cfg.batch_size(task.seq_len), task.num_queries, cfg.steps
+    B, Q = cfg.batch_size(task.seq_len), task.num_queries
+    steps = cfg.steps if model is not None else cfg.new_model_steps
     if model is None:
         model = build_model(kind, cfg, task)
     model = model.to(device)
-    run = torch.compile(model, fullgraph=True) if cfg.compile else model
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warmup = cfg.warmup
@@ -456,16 +477,14 @@ def train_point(
     )
     g = torch.Generator().manual_seed(cfg.seed * 65537 + pairs)
     prefix = f"  {kind} {pairs} pairs: "
-    progress = mqar.Progress(
-        steps, interval=log_interval, compiling=cfg.compile, log=lambda s: log(prefix + s)
-    )
+    progress = mqar.Progress(steps, interval=log_interval, log=lambda s: log(prefix + s))
     _sync(device)
     progress.begin()
     loss_value = float("nan")
     for step in range(1, steps + 1):
         tokens, labels = task.batch(B, g, device)
         want = labels[:, -Q:]
-        logits = run(tokens, Q)
+        logits = model(tokens, Q)
         loss = F.cross_entropy(logits.flatten(0, 1), want.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -478,7 +497,7 @@ def train_point(
     train_s = progress.elapsed()
     tokens, labels = eval_batch(task, cfg.eval_sequences)
     acc = recall(model, tokens, labels, B, device)
-    return Trained(kind, pairs, task.seq_len, B, Q, acc, train_s, loss_value, model)
+    return Trained(kind, pairs, task.seq_len, B, Q, steps, acc, train_s, loss_value, model)
 
 
 def _device_name(device: torch.device) -> str:
@@ -524,7 +543,7 @@ def sweep(
         f"capacity: multi-query associative recall at {', '.join(map(str, cfg.pairs))} pairs "
         f"({cfg.num_keys} keys, {cfg.values} values, up to {cfg.max_queries} queries) on "
         f"{device}; d_model {cfg.d_model}, {cfg.heads} heads of {cfg.head_dim}, "
-        f"{cfg.layers} block(s), {cfg.steps} steps each"
+        f"{cfg.layers} blocks; {training_summary(dataclasses.asdict(cfg))}"
     )
     log(f"  sdm:   {models['sdm']['label']}; {counts['sdm']} parameters in the memory layer")
     log(
@@ -538,10 +557,14 @@ def sweep(
     for i, (pairs, kind) in enumerate(runs, 1):
         task = cfg.task(pairs)
         previous = last.get(kind) if cfg.warm_start else None
-        origin = "new" if previous is None else f"from {previous.pairs} pairs"
+        if previous is None:
+            origin, steps = "new", cfg.new_model_steps
+        else:
+            origin, steps = f"from {previous.pairs} pairs", cfg.steps
         log(
-            f"[{i}/{len(runs)}] {kind} at {pairs} pairs ({origin}): T = {task.seq_len}, "
-            f"batch {cfg.batch_size(task.seq_len)} ({time.perf_counter() - start:.0f} s so far)"
+            f"[{i}/{len(runs)}] {kind} at {pairs} pairs ({origin}, {steps} steps): "
+            f"T = {task.seq_len}, batch {cfg.batch_size(task.seq_len)} "
+            f"({time.perf_counter() - start:.0f} s so far)"
         )
         start_from = None if previous is None else copy.deepcopy(previous.model)
         t = train_point(
@@ -564,6 +587,17 @@ def sweep(
     }
     results["sections"] = [table_section(results)]
     return results, trained
+
+
+def training_summary(cfg: dict) -> str:
+    """How the models were trained, from a config as ``dataclasses.asdict`` gives it."""
+    first = cfg["first_steps"] if cfg.get("first_steps") is not None else 2 * cfg["steps"]
+    if cfg.get("warm_start", True):
+        return (
+            f"{first} steps at the first number of pairs, then {cfg['steps']} at each next "
+            f"one, continuing"
+        )
+    return f"{first} steps from scratch at each number of pairs"
 
 
 def _by_pairs(results: dict) -> dict[int, dict[str, dict]]:
@@ -592,8 +626,8 @@ def table_section(results: dict) -> dict:
     return {
         "name": "capacity",
         "title": (
-            f"recall against stored pairs, d_model {cfg['d_model']}, {cfg['heads']} heads, "
-            f"{cfg['steps']} steps each"
+            f"recall against stored pairs, d_model {cfg['d_model']}, {cfg['heads']} heads; "
+            f"{training_summary(cfg)}"
         ),
         "columns": columns,
         "rows": rows,
@@ -601,9 +635,6 @@ def table_section(results: dict) -> dict:
             f"sdm: {models['sdm']['label']}, {models['sdm']['memory_params']} parameters",
             f"dense: {models['dense']['label']} ({models['dense']['backend']}), "
             f"{models['dense']['memory_params']} parameters",
-            "each model continues from itself as trained at the previous number of pairs"
-            if cfg.get("warm_start", True)
-            else "each model trained from scratch at each number of pairs",
         ],
     }
 
@@ -645,9 +676,9 @@ def plot_recall(results: dict, path: str) -> str:
     ax.set_ylabel("recall")
     cfg = results["config"]
     ax.set_title(
-        f"Recall against stored pairs: d_model {cfg['d_model']}, {cfg['heads']} heads, "
-        f"{cfg['steps']} steps",
-        fontsize=10,
+        f"Recall against stored pairs: d_model {cfg['d_model']}, {cfg['heads']} heads\n"
+        f"{training_summary(cfg)}",
+        fontsize=9,
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -764,6 +795,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=_positive, metavar="N", help=f"steps per model (default {d.steps})"
     )
     train.add_argument(
+        "--first-steps",
+        type=_positive,
+        metavar="N",
+        help="steps of a new model: at the first number of pairs, or at every one with "
+        "--from-scratch (default: twice --steps)",
+    )
+    train.add_argument(
         "--batch-tokens",
         type=_positive,
         metavar="N",
@@ -792,12 +830,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         help="seed of the models' initialization and of the training batches (default 0)",
-    )
-    train.add_argument(
-        "--compile",
-        action="store_true",
-        help="train the models compiled with torch.compile(fullgraph=True) (compiles once "
-        "per model and number of pairs)",
     )
     train.add_argument(
         "--from-scratch",
@@ -865,6 +897,7 @@ OPTION_FIELDS = (
     "chunk_size",
     "dense_backend",
     "steps",
+    "first_steps",
     "batch_tokens",
     "max_batch",
     "lr",
@@ -879,8 +912,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     for f in ("pairs", "factors"):
         if f in given:
             given[f] = tuple(given[f])
-    if args.compile:
-        given["compile"] = True
     if args.from_scratch:
         given["warm_start"] = False
     return dataclasses.replace(SMALL if args.small else Config(), **given)

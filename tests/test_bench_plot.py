@@ -23,6 +23,53 @@ def test_state_batch_halves_b_while_the_bank_passes_8_gib():
     assert bench.state_batch(1, 100, 8, 2**24, 64) == (1, 100)  # never below one sequence
 
 
+def test_the_state_section_runs_its_calls(monkeypatch, capsys):
+    """The section on the CPU, small: the real calls of each SDM case run once where the GPU
+    timer would time them (the timer replaced by a stand-in that calls and returns fixed
+    figures); a failing peer case is noted, not fatal."""
+    cpu_workload = bench.make_workload
+
+    def timed(prefix, fn):
+        fn()
+        return {f"{prefix}_ms": 2.0, f"{prefix}_graph_ms": 1.0}
+
+    def graph_ms(fn):
+        fn()
+        return 0.5
+
+    def failing_peer(*args, **kwargs):
+        raise RuntimeError("no GPU here\nsecond line")
+
+    monkeypatch.setattr(bench, "make_workload", lambda *a, **k: cpu_workload(*a, **k, dev="cpu"))
+    monkeypatch.setattr(bench, "timed", timed)
+    monkeypatch.setattr(bench._timing, "graph_ms", graph_ms)
+    monkeypatch.setattr(bench, "_free", lambda: None)
+    monkeypatch.setattr(bench, "STATE_SLOTS", (64, 256))
+    monkeypatch.setattr(bench, "STATE_KEY_WIDTHS", (16,))
+    monkeypatch.setattr(bench, "_import_peer", lambda module, name: (object(), None))
+    monkeypatch.setattr(bench, "_fla_state_row", failing_peer)
+    argv = ["--B", "2", "--T", "40", "--H", "2", "--D", "16", "--W", "2", "--R", "2"]
+    args = bench.build_parser().parse_args(argv + ["--chunk-size", "16"])
+    run = bench.Run(args, [])
+    bench.section_state(run)
+    (section,) = run.sections
+    assert [r["case"] for r in section.rows] == ["sdm S=64", "sdm S=256"]
+    assert section.rows[0] == {
+        "case": "sdm S=64",
+        "kind": "sdm",
+        "B": 2,
+        "T": 40,
+        "state": 64 * 16,
+        "fwd_ms": 2.0,
+        "fwd_graph_ms": 1.0,
+        "in_place_graph_ms": 0.5,
+        "fwd_bwd_ms": 2.0,
+        "fwd_bwd_graph_ms": 1.0,
+    }
+    assert section.notes == ["fla K=16 skipped: RuntimeError: no GPU here"]
+    assert "sdm S=256" in capsys.readouterr().out
+
+
 def synthetic_results() -> dict:
     """A results dict as the bench writes it, with made-up timings: SDM at 2^12 to 2^22
     slots (B lowered as the state section does), fla at K = 16 to 256."""

@@ -5,6 +5,7 @@ table, the JSON file and the plot) are those of the trained models on the held-o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,7 +22,8 @@ from sdm_ops import _plot, capacity, mqar, sparse_delta_memory
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# Two numbers of pairs, a few steps: seconds on a CPU. key_dim = 16 / 2 = 8 and
+# Two numbers of pairs, a few steps (15 for the new models, 10 more at 8 pairs): seconds on a
+# CPU. key_dim = 16 / 2 = 8 and
 # mean(factors) = d_model: both memory layers have 5186 parameters.
 TINY = capacity.Config(
     pairs=(2, 8),
@@ -35,7 +37,8 @@ TINY = capacity.Config(
     topk=4,
     layers=1,
     chunk_size=16,
-    steps=15,
+    steps=10,
+    first_steps=15,
     batch_tokens=192,
     max_batch=16,
     lr=1e-2,
@@ -47,7 +50,7 @@ TINY = capacity.Config(
 def deltanet_tokenwise(layer: capacity.DenseDeltaRule, x: torch.Tensor) -> torch.Tensor:
     """The layer's output computed token by token in float64 from its projections: the
     state S [H, D, D] (key rows, value columns) from zero, S += beta k (v - S^T k)^T, then
-    o = S^T q, gated and projected."""
+    o = S^T q, gated by 2 sigmoid(g) and projected."""
     B, T, _ = x.shape
     H, D = layer.heads, layer.head_dim
     with torch.no_grad():
@@ -65,13 +68,22 @@ def deltanet_tokenwise(layer: capacity.DenseDeltaRule, x: torch.Tensor) -> torch
                     kt, vt = k[b, t, h], v[b, t, h]
                     S = S + beta[b, t, h] * torch.outer(kt, vt - S.T @ kt)
                     out[b, t, h] = S.T @ q[b, t, h]
-        gate = F.silu(xd @ layer.g_proj.weight.double().T)
+        gate = 2 * torch.sigmoid(xd @ layer.g_proj.weight.double().T)
         return (out.reshape(B, T, H * D) * gate) @ layer.o_proj.weight.double().T
 
 
-def test_the_dense_layer_on_the_cpu_is_the_delta_rule():
+def dense_layer(**kwargs) -> capacity.DenseDeltaRule:
+    """A small dense layer whose gate is not the initial one (a gate of 1 everywhere)."""
     torch.manual_seed(0)
-    layer = capacity.DenseDeltaRule(24, heads=2, head_dim=16, backend="sdm", chunk_size=16)
+    layer = capacity.DenseDeltaRule(24, heads=2, head_dim=16, chunk_size=16, **kwargs)
+    assert torch.equal(layer.g_proj.weight, torch.zeros_like(layer.g_proj.weight))
+    with torch.no_grad():
+        layer.g_proj.weight.normal_(0, 0.3)
+    return layer
+
+
+def test_the_dense_layer_on_the_cpu_is_the_delta_rule():
+    layer = dense_layer(backend="sdm")
     x = torch.randn(2, 37, 24)
     y = layer(x)
     want = deltanet_tokenwise(layer, x)
@@ -102,8 +114,7 @@ def test_the_fla_path_passes_unit_keys_in_bfloat16_time_first(monkeypatch):
 
     monkeypatch.setattr(capacity, "fla_delta_rule", lambda: (chunk_delta_rule, None))
     monkeypatch.setattr(capacity, "resolve_backend", lambda backend, device: "fla")
-    torch.manual_seed(0)
-    layer = capacity.DenseDeltaRule(24, heads=2, head_dim=16)
+    layer = dense_layer()
     x = torch.randn(2, 37, 24)
     y = layer(x)
     bf16 = torch.bfloat16
@@ -159,17 +170,23 @@ def test_parameter_counts_far_apart_are_refused():
         dataclasses.replace(TINY, factors=(4, 4, 4)).check()  # 16 is no multiple of 3
 
 
-@pytest.fixture(scope="module")
-def swept():
-    # One thread: on busy cores, PyTorch's threads waiting on each other take many times
-    # longer over these small operators.
+@contextlib.contextmanager
+def one_thread():
+    """PyTorch on one thread: on busy cores its threads waiting on each other take many
+    times longer over these small operators."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        lines: list[str] = []
-        results, trained = capacity.sweep(TINY, "cpu", log=lines.append, log_interval=0.0)
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def swept():
+    lines: list[str] = []
+    with one_thread():
+        results, trained = capacity.sweep(TINY, "cpu", log=lines.append, log_interval=0.0)
     return results, trained, lines
 
 
@@ -209,13 +226,28 @@ def test_the_recalls_are_those_of_the_trained_models(swept):
     assert "sparse_delta_memory, full addressing" in lines[2]
     announced = [line.split(":")[0] for line in lines if line.startswith("[")]
     assert announced == [
-        "[1/4] sdm at 2 pairs (new)",
-        "[2/4] dense at 2 pairs (new)",
-        "[3/4] sdm at 8 pairs (from 2 pairs)",
-        "[4/4] dense at 8 pairs (from 2 pairs)",
+        "[1/4] sdm at 2 pairs (new, 15 steps)",
+        "[2/4] dense at 2 pairs (new, 15 steps)",
+        "[3/4] sdm at 8 pairs (from 2 pairs, 10 steps)",
+        "[4/4] dense at 8 pairs (from 2 pairs, 10 steps)",
     ]
-    assert sum("dense 8 pairs: step " in line for line in lines) == TINY.steps
+    assert [t.steps for t in trained] == [15, 15, 10, 10]
+    assert sum("dense 2 pairs: step " in line for line in lines) == 15
+    assert sum("dense 8 pairs: step " in line for line in lines) == 10
     assert f"  sdm 2 pairs: recall {trained[0].recall:.4f}" in "\n".join(lines)
+
+
+def test_from_scratch_every_model_is_new():
+    cfg = dataclasses.replace(TINY, pairs=(2, 3), first_steps=3, warm_start=False)
+    lines: list[str] = []
+    with one_thread():
+        results, trained = capacity.sweep(cfg, "cpu", log=lines.append, log_interval=100.0)
+    assert [line.split(":")[0] for line in lines if line.startswith("[")] == [
+        f"[{i}/4] {kind} at {p} pairs (new, 3 steps)"
+        for i, (p, kind) in enumerate([(2, "sdm"), (2, "dense"), (3, "sdm"), (3, "dense")], 1)
+    ]
+    assert "3 steps from scratch at each number of pairs" in results["sections"][0]["title"]
+    assert [t.steps for t in trained] == [3, 3, 3, 3]
 
 
 def test_table_json_and_plot(swept, tmp_path, capsys):
@@ -342,7 +374,8 @@ def test_the_command_trains_and_writes_its_files(tmp_path):
         "--no-plot",
     )
     assert done.returncode == 0, done.stderr
-    assert "  sdm 3 pairs: step 2/2" in done.stdout and "  dense 3 pairs: step 2/2" in done.stdout
+    # A new model trains twice --steps.
+    assert "  sdm 3 pairs: step 4/4" in done.stdout and "  dense 3 pairs: step 4/4" in done.stdout
     points = json.loads((tmp_path / "c.json").read_text())["points"]
     assert [(p["model"], p["pairs"], p["seq_len"]) for p in points] == [
         ("sdm", 3, 9),
@@ -355,10 +388,11 @@ def test_options_override_the_preset():
     parse = capacity.build_parser().parse_args
     cfg = capacity.config_from_args(parse(["--small", "--steps", "7", "--factors", "8", "4"]))
     assert cfg == dataclasses.replace(capacity.SMALL, steps=7, factors=(8, 4))
-    cfg = capacity.config_from_args(parse(["--pairs", "5", "9", "--from-scratch", "--compile"]))
-    assert cfg == dataclasses.replace(
-        capacity.Config(), pairs=(5, 9), warm_start=False, compile=True
-    )
+    cfg = capacity.config_from_args(parse(["--pairs", "5", "9", "--from-scratch"]))
+    assert cfg == dataclasses.replace(capacity.Config(), pairs=(5, 9), warm_start=False)
+    assert cfg.new_model_steps == 2 * cfg.steps
+    cfg = capacity.config_from_args(parse(["--first-steps", "11"]))
+    assert cfg.new_model_steps == 11 and cfg.steps == capacity.Config().steps
 
 
 @pytest.mark.parametrize(
