@@ -22,6 +22,12 @@ Sections (``--only``, comma-separated; the first five run by default):
 - ``profile``: the CUDA time of each kernel of one forward+backward.
 - ``snapshot-errors``: each snapshot mode's gradient error against the exact one (the only
   section that also runs on the CPU).
+- ``state``: time per token against the state's size per head: the SDM forward, in-place
+  forward and forward+backward for S = 2^12 to 2^22 slots (B x T tokens a call, B lowered
+  where a bank would pass 8 GiB; float32 bank, no decay), beside fla-core's
+  ``chunk_delta_rule`` (a K x D state per head) for K = 16 to 256. ``--plot PATH`` runs it
+  and draws it as a PNG (matplotlib, ``pip install 'sdm_ops[plot]'``); ``--plot PATH
+  --from-json FILE`` draws a results file's section without a GPU.
 
 Times are medians of ``triton.testing.do_bench`` (``sdm_ops._timing``); "graph" columns are
 the call replayed from a CUDA graph, "x floor" the graph time over the floor.
@@ -42,7 +48,7 @@ from functools import partial
 import torch
 
 import sdm_ops
-from sdm_ops import _timing
+from sdm_ops import _plot, _timing
 from sdm_ops import reference as ref
 from sdm_ops.recurrence import CHUNK_SIZES, HEAD_DIMS
 
@@ -58,6 +64,7 @@ SECTIONS = (
     "topk",
     "profile",
     "snapshot-errors",
+    "state",
 )
 DEFAULT_SECTIONS = SECTIONS[:5]
 SNAPSHOTS = ("none", "bf16", "fp8", "int4")
@@ -790,6 +797,173 @@ def section_snapshot_errors(run: Run) -> None:
         t.add(mode, bytes_per_token=snapshot_row_bytes(mode, D, torch.float32) * (W + R), **errs)
 
 
+STATE_SLOTS = tuple(2**i for i in range(12, 23))
+STATE_KEY_WIDTHS = (16, 32, 64, 128, 256)
+STATE_BANK_BYTES = 8 * 2**30  # the largest [B, H, S, D] bank of the state section
+
+
+def state_batch(B: int, T: int, H: int, S: int, D: int) -> tuple[int, int]:
+    """(B, T) of the state section's SDM call at S slots: B x T tokens, B halved (T doubled)
+    while the float32 bank [B, H, S, D] would pass ``STATE_BANK_BYTES``, down to B = 1."""
+    while B > 1 and B * H * S * D * 4 > STATE_BANK_BYTES and B % 2 == 0:
+        B, T = B // 2, T * 2
+    return B, T
+
+
+def section_state(run: Run) -> None:
+    B0, T0, H, D, _, W, R = run.shape
+    C = run.args.chunk_size
+    t = Section(
+        run,
+        "state",
+        f"time per token against the state per head: SDM (S x {D}, float32 bank, no "
+        f"decay, W={W} R={R}) and fla chunk_delta_rule (K x {D}), {B0 * T0} tokens a call, "
+        f"H={H}, bfloat16 values",
+        [
+            ("B", "B", "d"),
+            ("T", "T", "d"),
+            ("state", "state/head", "d"),
+            ("fwd_ms", "fwd ms", ".3f"),
+            ("fwd_graph_ms", "graph", ".3f"),
+            ("in_place_graph_ms", "in place", ".3f"),
+            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
+            ("fwd_bwd_graph_ms", "graph", ".3f"),
+        ],
+    )
+    fla, why = _import_peer("fla.ops.delta_rule", "chunk_delta_rule")
+    cases = [("sdm", S) for S in STATE_SLOTS]
+    if fla is None:
+        t.note(f"fla chunk_delta_rule skipped: {why} (pip install fla-core)")
+    else:
+        cases += [("fla", K) for K in STATE_KEY_WIDTHS]
+    for i, (kind, size) in enumerate(cases, 1):
+        name = f"sdm S={size}" if kind == "sdm" else f"fla K={size}"
+        t.progress(i, len(cases), name)
+        B, T = state_batch(B0, T0, H, size, D) if kind == "sdm" else (B0, T0)
+        row, error = None, None
+        try:
+            if kind == "sdm":
+                row = _sdm_state_row(B, T, H, D, size, W, R, C)
+            else:
+                row = _fla_state_row(fla, B, T, H, size, D)
+        except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as e:
+            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:100]}"
+        _free()  # after the except block, whose traceback holds the call's tensors
+        if error is not None:
+            t.note(f"{name} skipped: {error}")
+            continue
+        t.add(name, kind=kind, B=B, T=T, state=size * D, **row)
+
+
+def _sdm_state_row(B: int, T: int, H: int, D: int, S: int, W: int, R: int, C: int) -> dict:
+    """``sparse_delta_memory`` timed at S slots (float32 bank, no decay): forward, in-place
+    forward and forward+backward."""
+    a = make_workload(B, T, H, D, S, W, R, decay=False, bank_dtype=torch.float32)
+    return {
+        **timed("fwd", forward_fn(a, C)),
+        "in_place_graph_ms": _timing.graph_ms(in_place_fn(a, C)),
+        **timed("fwd_bwd", forward_backward_fn(a, C)),
+    }
+
+
+def _fla_state_row(fla, B: int, T: int, H: int, K: int, V: int) -> dict:
+    """fla's ``chunk_delta_rule`` timed at key width K and value width V (bfloat16, unit
+    keys), forward and forward+backward."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(B, T, H, K, device="cuda", generator=g) for _ in range(2))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    v = torch.randn(B, T, H, V, device="cuda", generator=g).to(torch.bfloat16)
+    beta = torch.rand(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            return fla(q, k, v, beta)
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    g_o = torch.ones_like(v)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fla(*leaves, beta)[0], leaves, g_o)
+
+    return {**timed("fwd", fwd), **timed("fwd_bwd", fwd_bwd)}
+
+
+STATE_LINES = (
+    # (kind, figure, label, color, line style): a color per layer, a style per call
+    ("sdm", "fwd", "SDM forward", "C0", "-"),
+    ("sdm", "in_place", "SDM forward in place", "C0", ":"),
+    ("sdm", "fwd_bwd", "SDM forward+backward", "C0", "--"),
+    ("fla", "fwd", "fla chunk_delta_rule forward", "C3", "-"),
+    ("fla", "fwd_bwd", "fla chunk_delta_rule forward+backward", "C3", "--"),
+)
+
+
+def plot_state(results: dict, path: str) -> str:
+    """A PNG of the ``state`` section of bench results (``Run.as_json``, or a ``--json``
+    file): nanoseconds per token against state elements per head, both axes logarithmic,
+    one line per call (the graph replay's time, the eager one where the graph's is missing).
+    Points measured with fewer sequences than the section's most (B lowered to keep the bank
+    in memory: less parallel work a call) have open markers. ValueError when the results hold
+    no state section with timings; ImportError without matplotlib. Returns ``path``."""
+    section = next((s for s in results.get("sections", []) if s.get("name") == "state"), None)
+    if section is None or not section.get("rows"):
+        raise ValueError("the results hold no 'state' section with rows to plot")
+    most = max(row["B"] for row in section["rows"])
+    fig = _plot.new_figure(7.5, 4.8)
+    ax = fig.add_subplot()
+    drawn = lowered = 0
+    for kind, figure, label, color, style in STATE_LINES:
+        points = []
+        for row in section["rows"]:
+            ms = row.get(f"{figure}_graph_ms")
+            if ms is None:
+                ms = row.get(f"{figure}_ms")
+            if row.get("kind") != kind or ms is None:
+                continue
+            points.append((row["state"], ms * 1e6 / (row["B"] * row["T"]), row["B"] < most))
+        if not points:
+            continue
+        points.sort()
+        xs, ys, _ = zip(*points)
+        ax.plot(xs, ys, linestyle=style, color=color, label=label)
+        full = [(x, y) for x, y, b in points if not b]
+        part = [(x, y) for x, y, b in points if b]
+        for pts, face in ((full, color), (part, "white")):
+            if pts:
+                ax.plot(
+                    *zip(*pts),
+                    linestyle="",
+                    marker="o",
+                    markersize=4,
+                    color=color,
+                    markerfacecolor=face,
+                )
+        drawn += 1
+        lowered += len(part)
+    if not drawn:
+        raise ValueError("the 'state' section holds no timings to plot")
+    if lowered:
+        ax.plot(
+            [],
+            [],
+            linestyle="",
+            marker="o",
+            markersize=4,
+            color="gray",
+            markerfacecolor="white",
+            label=f"fewer than {most} sequences a call",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("state per head (elements, log2)")
+    ax.set_ylabel("time per token (ns)")
+    ax.set_title(f"{results.get('device', '')}: {section.get('title', '')}", fontsize=8, wrap=True)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _plot.save(fig, path)
+
+
 RUNNERS = {
     "main": section_main,
     "snapshots": section_snapshots,
@@ -801,6 +975,7 @@ RUNNERS = {
     "topk": section_topk,
     "profile": section_profile,
     "snapshot-errors": section_snapshot_errors,
+    "state": section_state,
 }
 
 
@@ -835,8 +1010,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and a progress line per case on stderr. Figures are milliseconds unless a\n"
         "column says otherwise. --json writes every figure with the device and the\n"
         "versions; benchmarks/table.py in the repository renders such a file as\n"
-        "Markdown tables. Without a CUDA GPU it exits with status 2 (unless --only\n"
-        "snapshot-errors).",
+        "Markdown tables. --plot PATH writes the state section as a PNG. Without a\n"
+        "CUDA GPU it exits with status 2 (unless --only snapshot-errors, or --plot\n"
+        "with --from-json).",
     )
     shape = parser.add_argument_group("workload (the reference workload by default)")
     for name, default, what in (
@@ -874,10 +1050,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only",
         type=_sections,
-        default=list(DEFAULT_SECTIONS),
+        default=None,
         metavar="SECTIONS",
         help="comma-separated sections to run, in the order given, of: "
-        f"{', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)})",
+        f"{', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)}; with --plot "
+        "alone: state)",
     )
     parser.add_argument(
         "--no-reference",
@@ -898,6 +1075,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the results as JSON to PATH (rewritten after each "
         "section), e.g. benchmarks/results/NAME.json",
     )
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of the state section (time per token against state size) to "
+        "PATH, running that section too (needs matplotlib: pip install 'sdm_ops[plot]')",
+    )
+    parser.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="with --plot: measure nothing, plot the state section of FILE (a --json "
+        "file); needs no GPU",
+    )
     return parser
 
 
@@ -905,6 +1094,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.plot and not _plot.available():
+        parser.error(f"--plot needs matplotlib: {_plot.INSTALL_HINT}")
+    if args.from_json:
+        if not args.plot:
+            parser.error("--from-json needs --plot PATH")
+        with open(args.from_json) as f:
+            results = json.load(f)
+        try:
+            plot_state(results, args.plot)
+        except ValueError as e:
+            parser.error(f"{args.from_json}: {e}")
+        print(f"plot written to {args.plot}")
+        return 0
+    if args.only is None:
+        args.only = ["state"] if args.plot else list(DEFAULT_SECTIONS)
+    elif args.plot and "state" not in args.only:
+        args.only.append("state")
     if not torch.cuda.is_available() and set(args.only) != {"snapshot-errors"}:
         parser.error(
             "needs a CUDA GPU (torch.cuda.is_available() is False); only "
@@ -936,6 +1142,9 @@ def main(argv: list[str] | None = None) -> int:
         run.save()
     if args.json:
         print(f"\nresults written to {args.json}")
+    if args.plot:
+        plot_state(run.as_json(), args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 

@@ -78,13 +78,18 @@ class TokenShift(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + memory(shift(norm(x)))``, then ``x + mlp(norm(x))``."""
+    """``x + memory(shift(norm(x)))``, then ``x + mlp(norm(x))``. ``memory`` is a
+    ``[B, T, d_model] -> [B, T, d_model]`` layer, or the options of a
+    :class:`SparseDeltaMemory` of width ``d_model``."""
 
-    def __init__(self, d_model: int, memory: dict):
+    def __init__(self, d_model: int, memory: dict | nn.Module):
         super().__init__()
         self.norm1 = nn.RMSNorm(d_model)
         self.shift = TokenShift(d_model)
-        self.memory = SparseDeltaMemory(d_model, **memory)
+        if isinstance(memory, nn.Module):
+            self.memory = memory
+        else:
+            self.memory = SparseDeltaMemory(d_model, **memory)
         self.norm2 = nn.RMSNorm(d_model)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
