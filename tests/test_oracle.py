@@ -353,11 +353,13 @@ def test_cpu_operators_bfloat16_bank_rounds_the_final_state_once(v_dtype, final,
 # row error takes its largest value with the sign that adds up): at most 0.44 in every mode.
 # The tests ask for KAPPA of the bound, a margin of 1.5 over that.
 KAPPA = {"none": 1.0, "bf16": 0.65, "fp8": 0.65, "int4": 0.65}
-# Columns 0-15 of the values and the bank at magnitude 1, columns 16-31 at 2^-6, and the
-# output and bank gradients the other way round: the two column groups of a row differ 64
-# times in size, and both matter to the weights' gradients. A scale shared by more than one
-# group (a row's, say) would put the large group's step on the small one.
-COLUMN_SCALE = torch.cat([torch.ones(16), torch.full((16,), 2.0**-6)])
+# Columns 0-15 of the values and the bank at magnitude 1, columns 16-31 at 2^-16, and the
+# output and bank gradients the other way round: the two column groups of a row differ 2^16
+# times in size, and both matter as much to the weights' gradients. A scale shared by more
+# than one group (a row's, say) would put the large group's step on the small one: int4 would
+# round the small group to 0, fp8 into its subnormals (below 2^-6 of the scale, about 2^-15 of
+# the largest value).
+COLUMN_SCALE = torch.cat([torch.ones(16), torch.full((16,), 2.0**-16)])
 
 
 @pytest.mark.parametrize(
