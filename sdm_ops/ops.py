@@ -294,22 +294,23 @@ def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) ->
 def _chunk_betas_backward(
     dbetas: Tensor, beta: Tensor, chunk_size: int, chunks: Tensor | None = None
 ) -> Tensor | None:
-    """The gradient of ``beta`` through ``_chunk_betas``, in beta's dtype, from ``dbetas`` (its
-    output's): what autograd computes through it (the same copies; for a packed batch the same
+    """The gradient of ``beta`` through ``_chunk_betas``, in ``dbetas``' dtype (the caller adds
+    phase 2's share before rounding to beta's), from ``dbetas`` (its output's): what autograd
+    computes through it (the same copies; for a packed batch the same
     accumulation, where each token receives its one value and zeros). None when beta does not
     reach the output (an empty packed batch)."""
     B, T, H = beta.shape
     C = chunk_size
     if chunks is None:
         N = -(-T // C)
-        return dbetas.view(B, H, N * C)[..., :T].transpose(1, 2).to(beta.dtype)
+        return dbetas.view(B, H, N * C)[..., :T].transpose(1, 2)
     NC = chunks.shape[0]
     if T == 0:
         return None
     i = torch.arange(C, device=beta.device)
     tok = (chunks[:, :1] + i).clamp(max=T - 1)  # [NC, C]
     g = torch.where((i < chunks[:, 1:])[..., None], dbetas.view(H, NC, C).permute(1, 2, 0), 0.0)
-    return g.new_zeros(T, H).index_put_((tok,), g, accumulate=True).to(beta.dtype)[None]
+    return g.new_zeros(T, H).index_put_((tok,), g, accumulate=True)[None]
 
 
 def _wide(idx: Tensor) -> Tensor:
@@ -566,7 +567,6 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
             dbank = rows_to_bank(dbank, rows.row_slots, ctx.bank_rows, bank_dim == 3)
     elif bank_dim == 3:
         dbank = dbank.sum(0)
-    dbeta = dbeta.to(beta.dtype)
     dww = drw = ddc = None
     if needs[1] or needs[3] or needs[5] or needs[7]:
         C = ctx.chunk_size
@@ -580,7 +580,9 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         )
         through_chunks = _chunk_betas_backward(dbetas, beta, C, chunks) if needs[1] else None
         if through_chunks is not None:
-            dbeta = dbeta + through_chunks
+            # Both shares in float32, one rounding to beta's dtype at the end: rounded apart,
+            # a bfloat16 beta's gradient would carry each share's rounding, not the sum's.
+            dbeta = dbeta + through_chunks.to(dbeta.dtype)
         if needs[3] or needs[5] or needs[7]:
             wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
             dww, drw, ddc = chunk_prepare_backward(
@@ -601,7 +603,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
             )
     grads = (
         dv if needs[0] else None,
-        dbeta if needs[1] else None,
+        dbeta.to(beta.dtype) if needs[1] else None,
         None,
         dww.to(write_w.dtype) if needs[3] else None,
         None,

@@ -1,7 +1,14 @@
-"""Every Triton kernel compiles for the H200 (sm_90), in every configuration the kernel tests
-launch. Triton's interpreter runs kernels without compiling them, so a kernel can pass every
-CPU test and still fail to compile for a GPU; this test compiles them here, with no GPU, through
-Triton's own compiler (down to PTX and machine code with the bundled ptxas).
+"""Every Triton kernel compiles for the H200 (sm_90), in the configurations ``_launches`` runs:
+chunk sizes 16, 32 and 128 (and 64 in the in-place forward), head dims 16, 32, 64 and 256,
+float32 and bfloat16 values and banks, every snapshot mode, the one-tile and tiled phase 2,
+packed batches, the in-place and decode forwards, product-key top-k in float32 and bfloat16
+and the WY solve. Triton's interpreter runs kernels without compiling them, so a kernel can
+pass every CPU test and still fail to compile for a GPU; this test compiles them here, with
+no GPU, through Triton's own compiler (down to PTX and machine code with the bundled ptxas).
+It covers a configuration only if ``_launches`` reaches it: a kernel's constexprs (the chunk
+size, D, W and R rounded up to powers of two, the snapshot mode, the dtypes) pick what it
+compiles, so a new kind of launch belongs there. (On a GPU the kernel tests compile every
+kernel they run, and the compile test below is skipped.)
 
 And Inductor sees each kernel write only its outputs. ``torch.compile`` decides which tensors a
 user-defined Triton kernel mutates by analysing its Triton IR; a tensor it wrongly counts as
@@ -161,6 +168,29 @@ def _launches():
                     sdm_ops.sparse_delta_memory_(
                         bank=state, **{k: v[:, :1] for k, v in rest.items()}
                     )
+        # The largest chunk (two chunks of 128), the widest rows and bfloat16 values and banks,
+        # each through the forward with a quantized snapshot, the backward and the in-place
+        # forward.
+        for i, (case, c) in enumerate(
+            (
+                (dict(T=130, W=2, R=2, D=16), 128),
+                (dict(T=20, W=3, R=2, D=256), 16),
+                (dict(T=20, W=3, R=2, D=16, dtype=torch.bfloat16), 16),
+                (dict(T=20, W=3, R=2, D=16, bank_dtype=torch.bfloat16), 16),
+            )
+        ):
+            a = make_sdm_inputs(B=1, H=1, S=9, seed=20 + i, device=KERNEL_DEVICE, **case)
+            for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
+                a[name].requires_grad_()
+            out, bank = sdm_ops.sparse_delta_memory(
+                **a, chunk_size=c, snapshot="int4", output_final_state=True
+            )
+            (out.float().sum() + bank.float().sum()).backward()
+            with torch.no_grad():
+                state = a["bank"].detach().clone()
+                rest = {k: v.detach() for k, v in a.items() if k != "bank"}
+                sdm_ops.sparse_delta_memory_(bank=state, **rest, chunk_size=c)
+                sdm_ops.sparse_delta_memory_(bank=state, **{k: v[:, :1] for k, v in rest.items()})
         # A packed batch: the chunk tables and every phase's VARLEN branch.
         a = make_packed_sdm_inputs(
             [0, 7, 20, 3], H=1, D=16, S=9, W=3, R=2, seed=9, device=KERNEL_DEVICE

@@ -1,15 +1,15 @@
-"""Property-based tests (hypothesis): the public functions against the plainest reference on
-random shapes and options (CPU operators)."""
+"""Property-based tests (hypothesis): the public functions against the plainest reference (the
+float64 token-by-token oracle, ``tests/oracle.py``) on random shapes and options, forward and
+every gradient, in every snapshot mode (CPU operators)."""
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdm_ops
-from sdm_ops import reference as ref
-from tests.helpers import assert_close, make_sdm_inputs, to_float64
+from tests.helpers import assert_close, make_sdm_inputs
+from tests.oracle import FLOATS, snapshot_gradient_bounds
 
-ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 SETTINGS = settings(
     max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -33,22 +33,42 @@ def sdm_cases(draw):
             seed=draw(st.integers(0, 2**16)),
         ),
         draw(st.sampled_from([16, 32, 64, 128])),
-        draw(st.sampled_from(["none", "bf16", "int4"])),
+        draw(st.sampled_from(["none", "bf16", "fp8", "int4"])),
     )
 
 
 @SETTINGS
 @given(sdm_cases())
 def test_sparse_delta_memory_matches_the_token_by_token_recurrence(case):
+    """out, the final state and every gradient (the forward under autograd keeps the drawn
+    snapshot): those of v, beta and the bank to the float32 contract in every mode, those of
+    write_w, read_w and decay within what the mode's snapshot rows allow, element by element
+    (``tests.oracle.snapshot_gradient_bounds``; 0 for "none")."""
     kwargs, chunk_size, snapshot = case
     a = make_sdm_inputs(**kwargs)
+    leaves = {k: a[k].clone().requires_grad_() for k in FLOATS if k in a}
     out, bank = sdm_ops.sparse_delta_memory(
-        **a, chunk_size=chunk_size, snapshot=snapshot, output_final_state=True
+        **dict(a, **leaves), chunk_size=chunk_size, snapshot=snapshot, output_final_state=True
     )
-    out_r, bank_r = ref.sdm_token_reference(*(to_float64(a).get(k) for k in ORDER))
-    assert out.shape == a["v"].shape and bank.shape == bank_r.shape
-    assert_close(out, out_r, rtol=1e-5, name=f"out {kwargs} C={chunk_size}")
-    assert_close(bank, bank_r, rtol=1e-5, name=f"bank {kwargs} C={chunk_size}")
+    g = torch.Generator().manual_seed(kwargs["seed"])
+    g_out, g_bank = torch.randn(out.shape, generator=g), torch.randn(bank.shape, generator=g)
+    loss = (out * g_out).sum() + (bank * g_bank).sum()
+    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)))
+    run, want, _, bounds = snapshot_gradient_bounds(a, g_out, g_bank, chunk_size, snapshot, 2**-8)
+    assert out.shape == a["v"].shape and bank.shape == run.bank.shape
+    assert_close(out, run.out, rtol=1e-5, name=f"out {kwargs} C={chunk_size}")
+    assert_close(bank, run.bank, rtol=1e-5, name=f"bank {kwargs} C={chunk_size}")
+    for k, got in grads.items():
+        got = torch.zeros_like(a[k]) if got is None else got
+        if k not in bounds:
+            assert_close(got, want[k], rtol=1e-5, name=f"d{k} {kwargs} C={chunk_size}")
+            continue
+        slack = 1e-5 * max(want[k].abs().max().item(), 1.0) if want[k].numel() else 0.0
+        err = (got.double() - want[k]).abs() - bounds[k] - slack
+        assert not err.numel() or err.max() <= 0, (
+            f"d{k} {kwargs} C={chunk_size} {snapshot}: beyond the snapshot's bound by "
+            f"{err.max().item():.3e}"
+        )
 
 
 @SETTINGS

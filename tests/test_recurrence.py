@@ -1,12 +1,13 @@
 """The forward of the recurrence: kernels (natively on CUDA, under the interpreter on CPU)
-against the float64 reference, the public functions' contracts, and determinism."""
+against the float64 token-by-token oracle (``tests/oracle.py``), the public functions'
+contracts, and determinism. ``tests/test_oracle.py`` holds the oracle tests at every chunk
+size, in bfloat16 and with quantized snapshots."""
 
 import pytest
 import torch
 
 import sdm_ops
 from sdm_ops import ops
-from sdm_ops import reference as ref
 from sdm_ops.kernels import bank_copy, recurrence_fwd
 from tests.helpers import (
     KERNEL_DEVICE,
@@ -15,21 +16,17 @@ from tests.helpers import (
     on_kernels,
     requires_cuda,
     requires_kernels,
-    to_float64,
 )
+from tests.oracle import float64_args, sdm_oracle
 
 pytestmark = requires_kernels
 
 ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 
 
-def _oracle(a, chunk_size=16):
-    a = to_float64(a)
-    return (
-        ref.sdm_token_reference(*(a.get(k) for k in ORDER))
-        if a["v"].shape[1] <= 40 and a["bank"].shape[-2] <= 64
-        else ref.sdm_chunked_reference(*(a.get(k) for k in ORDER), chunk_size=chunk_size)
-    )
+def _oracle(a):
+    """(out, final state) of the float64 token-by-token oracle."""
+    return sdm_oracle(float64_args(a))[:2]
 
 
 def _run(a, **kw):
@@ -41,13 +38,15 @@ def _inputs(**kw):
     return make_sdm_inputs(device=KERNEL_DEVICE, **kw)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32])
-@pytest.mark.parametrize("decay", [True, False])
-def test_kernels_match_float64_reference_with_padding_duplicates_and_partial_chunks(
-    chunk_size, decay, phase2_tiles
+@pytest.mark.parametrize("chunk_size,decay", [(16, True), (32, False)])
+def test_tiled_phase2_matches_the_oracle_with_padding_duplicates_and_partial_chunks(
+    chunk_size, decay, monkeypatch
 ):
-    """Both forward paths: without autograd (phase 2 in place on a copy of the bank, no
-    snapshot) and with it (the functional operator, which keeps a snapshot)."""
+    """Phase 2 in steps over tiles of two tokens (what large W or C take), both forward paths:
+    without autograd (phase 2 in place on a copy of the bank, no snapshot) and with it (the
+    functional operator, which keeps a snapshot). The one-tile path, which the tests' small W
+    take, is ``tests/test_oracle.py``'s."""
+    monkeypatch.setattr(recurrence_fwd, "_TILE", 128)
     a = _inputs(T=37, decay=decay, seed=chunk_size + decay)
     out_r, bank_r = _oracle(a)
     for grad in (False, True):
@@ -94,25 +93,6 @@ def test_no_write_or_no_read_entries():
         out_r, bank_r = _oracle(a)
         assert_close(out, out_r, rtol=1e-5, name=f"out W={W} R={R}")
         assert_close(bank, bank_r, rtol=1e-5, name=f"bank W={W} R={R}")
-
-
-def test_every_chunk_size_gives_the_same_result_to_rounding():
-    a = _inputs(B=1, T=40, S=40, seed=10)
-    base = _run(a, chunk_size=16)
-    for c in (32, 64, 128):
-        out, bank = _run(a, chunk_size=c)
-        assert_close(out, base.out, rtol=1e-5, name=f"out C={c}")
-        assert_close(bank, base.bank, rtol=1e-5, name=f"bank C={c}")
-
-
-def test_bfloat16_values_and_bank_stay_within_bfloat16_rounding():
-    a = _inputs(T=33, dtype=torch.bfloat16, bank_dtype=torch.bfloat16, seed=12)
-    out, bank = _run(a)
-    assert out.dtype == torch.bfloat16 and bank.dtype == torch.bfloat16
-    out_r, bank_r = _oracle(a)
-    # The bank is rounded to bfloat16 after every chunk's writes: a few units of 2^-8.
-    assert_close(out, out_r, rtol=3e-2, name="out")
-    assert_close(bank, bank_r, rtol=3e-2, name="bank")
 
 
 def test_empty_sequence_copies_the_bank():
@@ -197,49 +177,6 @@ def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
             outs.append(sdm_ops.sparse_delta_memory_(bank=state, **step))
     assert_close(torch.cat(outs, 1), out, rtol=1e-5, name="out")
     assert_close(state, bank, rtol=1e-5, name="bank")
-
-
-@pytest.mark.parametrize("mode", ["none", "bf16", "fp8", "int4"])
-def test_snapshot_holds_each_entrys_chunk_start_row_within_its_mode_error(mode):
-    a = _inputs(T=20, D=32, seed=16)
-    S, C = a["bank"].shape[-2], 16
-    with on_kernels(), torch.no_grad():
-        prep = ops.chunk_prepare(
-            a["write_idx"], a["write_w"], a["read_idx"], a["read_w"], a["decay"], S, C
-        )
-        betas = ops._chunk_betas(a["beta"], C)
-        X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
-        res = ops.recurrence_fwd(
-            a["v"],
-            a["beta"],
-            a["write_idx"],
-            a["read_idx"],
-            *prep[2:8],
-            X.view(prep[0].shape),
-            QX.view(prep[0].shape),
-            a["bank"],
-            mode,
-        )
-    snap, scale = res[2], res[3]
-    # The exact chunk-start rows (write entries, then read entries), from the reference's phase 2
-    # run on the same phase-1 output.
-    p64 = ref.Prepared(*(x.cpu().double() if x.is_floating_point() else x.cpu() for x in prep))
-    rows = ref.recurrence_fwd_reference(
-        a["v"].cpu().double(),
-        a["beta"].cpu().double(),
-        a["write_idx"].cpu(),
-        a["read_idx"].cpu(),
-        p64,
-        X.view(prep[0].shape).cpu().double(),
-        QX.view(prep[0].shape).cpu().double(),
-        a["bank"].cpu().double(),
-    )[2]
-    back = ref.dequantize_rows(snap.cpu(), scale.cpu(), mode).double()
-    # bf16: one unit of the last place (the interpreter truncates, CUDA rounds to nearest).
-    bound = {"none": 1e-6, "bf16": 2.0**-7, "fp8": 2.0**-4 + 1e-3, "int4": 1 / 14 + 1e-3}[mode]
-    amax = rows.abs().amax(-1, keepdim=True)
-    err = ((back - rows).abs() / amax.clamp(min=1e-30)).max().item()
-    assert err <= bound, f"snapshot {mode}: max error {err:.3e} of the row's amax > {bound:.3e}"
 
 
 def test_out_of_range_indices_are_rejected_in_eager_mode_with_strict_checks():
@@ -348,7 +285,7 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
 def test_large_shapes_match_reference_on_cuda():
     a = make_sdm_inputs(B=2, T=300, H=4, D=64, S=4096, W=8, R=8, device="cuda", seed=18)
     out, bank = _run(a, chunk_size=64)
-    out_r, bank_r = _oracle(a, chunk_size=64)
+    out_r, bank_r = _oracle(a)
     assert_close(out, out_r, rtol=1e-5, name="out")
     assert_close(bank, bank_r, rtol=1e-5, name="bank")
 

@@ -1,8 +1,9 @@
 """Variable-length batches (``cu_seqlens``): a packed batch equals running each sequence on its
 own, forward and backward, on the CPU path and in the kernels (natively on CUDA, under the
-interpreter on CPU), with empty sequences, sequences shorter than a chunk and lengths that are
-not multiples of it; bitwise determinism; the in-place variant; the chunk tables; bad
-``cu_seqlens`` rejected by name."""
+interpreter on CPU), against the float64 token-by-token oracle (``tests/oracle.py``) and
+against each sequence run alone, with empty sequences, sequences shorter than a chunk and
+lengths that are not multiples of it; bitwise determinism; the in-place variant; the chunk
+tables; bad ``cu_seqlens`` rejected by name."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 import sdm_ops
 from sdm_ops import reference as ref
+from sdm_ops.kernels import recurrence_fwd
 from tests.helpers import (
     KERNEL_DEVICE,
     assert_close,
@@ -20,6 +22,7 @@ from tests.helpers import (
     on_kernels,
     requires_kernels,
 )
+from tests.oracle import oracle_with_grads
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 H, D, S, W, R = 2, 16, 9, 3, 2
@@ -34,9 +37,7 @@ def packed_inputs(lengths, **kw) -> dict:
 def run_with_grads(fn, a: dict, g_out: torch.Tensor, g_bank: torch.Tensor, **kw):
     """(out, bank, gradients of FLOATS) of sum(out * g_out) + sum(bank * g_bank)."""
     leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if a.get(k) is not None}
-    if fn is not ref.sdm_varlen_reference:  # the reference always returns the final bank
-        kw = dict(kw, output_final_state=True)
-    out, bank = fn(**dict(a, **leaves), **kw)
+    out, bank = fn(**dict(a, **leaves), **dict(kw, output_final_state=True))
     loss = (out.to(torch.float64) * g_out).sum() + (bank.to(torch.float64) * g_bank).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     return (
@@ -46,9 +47,11 @@ def run_with_grads(fn, a: dict, g_out: torch.Tensor, g_bank: torch.Tensor, **kw)
     )
 
 
-def oracle(a: dict, g_out, g_bank, chunk_size):
-    a64 = {k: (v.double() if v is not None and v.is_floating_point() else v) for k, v in a.items()}
-    return run_with_grads(ref.sdm_varlen_reference, a64, g_out, g_bank, chunk_size=chunk_size)
+def oracle(a: dict, g_out, g_bank):
+    """(out, final states, gradients) of the float64 token-by-token oracle, each sequence run
+    alone from its bank."""
+    run, grads, _ = oracle_with_grads(a, g_out, g_bank)
+    return run.out, run.bank, grads
 
 
 def grads_for(a: dict, seed: int):
@@ -106,12 +109,7 @@ def check_against_oracle(a, chunk_size, rtol, *, snapshot="none", kernels=True):
         out, bank, grads = run_with_grads(
             sdm_ops.sparse_delta_memory, a, g_out, g_bank, chunk_size=chunk_size, snapshot=snapshot
         )
-    want_out, want_bank, want = oracle(
-        {k: v.cpu() if torch.is_tensor(v) else v for k, v in a.items()},
-        g_out.cpu(),
-        g_bank.cpu(),
-        chunk_size,
-    )
+    want_out, want_bank, want = oracle(a, g_out, g_bank)
     assert bank.shape == (a["cu_seqlens"].shape[0] - 1, H, S, D)
     assert_close(out, want_out, rtol=rtol, name="out")
     assert_close(bank, want_bank, rtol=rtol, name="bank")
@@ -142,8 +140,16 @@ def test_cpu_path_equals_each_sequence_alone_forward_and_backward(decay):
 
 
 @requires_kernels
-@pytest.mark.parametrize("chunk_size,decay", [(16, True), (32, False)])
-def test_kernels_equal_each_sequence_alone_forward_and_backward(chunk_size, decay, phase2_tiles):
+@pytest.mark.parametrize(
+    "chunk_size,decay,tiles", [(16, True, "one_tile"), (16, True, "tiled"), (32, False, "one_tile")]
+)
+def test_kernels_equal_each_sequence_alone_forward_and_backward(
+    chunk_size, decay, tiles, monkeypatch
+):
+    """Phase 2 with each chunk in one tile, and (at one chunk size) in steps over tiles of two
+    tokens (what large W or C take)."""
+    if tiles == "tiled":
+        monkeypatch.setattr(recurrence_fwd, "_TILE", 128)
     a = packed_inputs(LENGTHS, device=KERNEL_DEVICE, seed=2 + chunk_size, decay=decay)
     check_against_oracle(a, chunk_size, 1e-5)
 

@@ -193,7 +193,8 @@ def dequantize_rows(codes: Tensor, scale: Tensor, mode: str) -> Tensor:
         lo = (codes & 15).to(torch.float32) - 8
         hi = (codes >> 4).to(torch.float32) - 8
         x = torch.stack((lo, hi), -1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
-    g = x.reshape(*x.shape[:-1], -1, QUANT_GROUP) * scale[..., None]
+    # The group count spelled out: -1 is ambiguous for no rows (T = 0, or no entries).
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // QUANT_GROUP, QUANT_GROUP) * scale[..., None]
     return g.reshape(x.shape)
 
 
