@@ -910,26 +910,28 @@ def plot_state(results: dict, path: str) -> str:
     if section is None or not section.get("rows"):
         raise ValueError("the results hold no 'state' section with rows to plot")
     most = max(row["B"] for row in section["rows"])
-    fig = _plot.new_figure(7.5, 4.8)
-    ax = fig.add_subplot()
-    drawn = lowered = 0
+    lines = []  # (label, color, style, [(state, ns per token, B lowered)])
     for kind, figure, label, color, style in STATE_LINES:
         points = []
         for row in section["rows"]:
             ms = row.get(f"{figure}_graph_ms")
             if ms is None:
                 ms = row.get(f"{figure}_ms")
-            if row.get("kind") != kind or ms is None:
-                continue
-            points.append((row["state"], ms * 1e6 / (row["B"] * row["T"]), row["B"] < most))
-        if not points:
-            continue
-        points.sort()
+            if row.get("kind") == kind and ms is not None:
+                ns = ms * 1e6 / (row["B"] * row["T"])
+                points.append((row["state"], ns, row["B"] < most))
+        if points:
+            lines.append((label, color, style, sorted(points)))
+    if not lines:
+        raise ValueError("the 'state' section holds no timings to plot")
+    fig = _plot.new_figure(7.5, 4.8)
+    ax = fig.add_subplot()
+    lowered = False
+    for label, color, style, points in lines:
         xs, ys, _ = zip(*points)
         ax.plot(xs, ys, linestyle=style, color=color, label=label)
-        full = [(x, y) for x, y, b in points if not b]
-        part = [(x, y) for x, y, b in points if b]
-        for pts, face in ((full, color), (part, "white")):
+        for low, face in ((False, color), (True, "white")):
+            pts = [(x, y) for x, y, b in points if b == low]
             if pts:
                 ax.plot(
                     *zip(*pts),
@@ -939,10 +941,7 @@ def plot_state(results: dict, path: str) -> str:
                     color=color,
                     markerfacecolor=face,
                 )
-        drawn += 1
-        lowered += len(part)
-    if not drawn:
-        raise ValueError("the 'state' section holds no timings to plot")
+                lowered |= low
     if lowered:
         ax.plot(
             [],

@@ -250,11 +250,10 @@ def test_from_scratch_every_model_is_new():
     assert [t.steps for t in trained] == [3, 3, 3, 3]
 
 
-def test_table_json_and_plot(swept, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+def test_table_and_json(swept, tmp_path, capsys):
     results, trained, _ = swept
     args = capacity.build_parser().parse_args(
-        ["--json", str(tmp_path / "r" / "cap.json"), "--plot", str(tmp_path / "cap.png")]
+        ["--json", str(tmp_path / "r" / "cap.json"), "--no-plot"]
     )
     capacity.write_outputs(results, args)
     out = capsys.readouterr().out.splitlines()
@@ -289,8 +288,16 @@ def test_table_json_and_plot(swept, tmp_path, capsys):
     # benchmarks/table.py renders the file's section as Markdown.
     md = table.markdown(saved)
     assert "| 8 pairs | 24 | " in md and f"{by['dense', 8].recall:.3f}" in md
-    assert (tmp_path / "cap.png").read_bytes()[:8] == PNG_MAGIC
-    assert f"plot written to {tmp_path / 'cap.png'}" in out
+    assert not any("plot" in line for line in out)
+
+
+def test_the_plot_is_written(swept, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    results, _, _ = swept
+    path = tmp_path / "figs" / "cap.png"
+    capacity.write_outputs(results, capacity.build_parser().parse_args(["--plot", str(path)]))
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert f"plot written to {path}" in capsys.readouterr().out
 
 
 def block_matplotlib(monkeypatch) -> None:
