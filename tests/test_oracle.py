@@ -461,10 +461,10 @@ def _layer_oracle(layer, x, state=None):
     those (``product_key_topk_bruteforce``), a softmax over them, the oracle's recurrence from
     the learned bank (or ``state``), and the output projection. Returns (y, final state,
     leaves by name: "x", "state" and the parameters' names) for autograd."""
-    p = {n: t.detach().to(F64).requires_grad_() for n, t in layer.named_parameters()}
-    p["x"] = x.detach().to(F64).requires_grad_()
+    p = {n: t.detach().cpu().to(F64).requires_grad_() for n, t in layer.named_parameters()}
+    p["x"] = x.detach().cpu().to(F64).requires_grad_()
     if state is not None:
-        p["state"] = state.detach().to(F64).requires_grad_()
+        p["state"] = state.detach().cpu().to(F64).requires_grad_()
     B, T, _ = x.shape
     H, F, K, D = layer.heads, len(layer.factors), layer.key_dim, layer.head_dim
 
