@@ -122,3 +122,35 @@ def peak_gib(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def gpu_busy(fn: Callable[[], object], calls: int = 3) -> tuple[float, float]:
+    """(busy, span) milliseconds of ``calls`` eager calls of ``fn`` in a row, profiled after
+    a warm-up call: busy is the union of the kernels' (and device copies') intervals, span
+    from the first one's start to the last one's end. Where busy falls short of span, the GPU
+    waited for the host."""
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*Profiler clears events", UserWarning)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        events = prof.events()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not spans:
+        return 0.0, 0.0
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return busy / 1e3, (max(e for _, e in spans) - spans[0][0]) / 1e3

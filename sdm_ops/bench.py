@@ -10,6 +10,9 @@ Sections (``--only``, comma-separated; the first five run by default):
   the copy bandwidth measured in the same run, and the stock-PyTorch reference forward.
 - ``snapshots``: forward+backward per snapshot mode (float32 bank, decay).
 - ``decode``: one decode step (T=1, every stream) of ``sparse_delta_memory_``, replayed.
+- ``host``: eager calls' host cost (decode, the layer's ``step_`` and forward) beside their
+  CUDA-graph replay and fla-core's ``fused_recurrent_delta_rule`` at T=1, and the share of a
+  layer training step the GPU is busy.
 - ``peers``: fla-core's ``chunk_delta_rule`` and ``chunk_kda`` at the same B, T, H and
   K = V = D, when fla-core is installed.
 - ``packed``: a packed batch of B sequences of mixed lengths (``cu_seqlens``) against the same
@@ -65,6 +68,7 @@ SECTIONS = (
     "profile",
     "snapshot-errors",
     "state",
+    "host",
 )
 DEFAULT_SECTIONS = SECTIONS[:5]
 SNAPSHOTS = ("none", "bf16", "fp8", "int4")
@@ -511,6 +515,96 @@ def section_decode(run: Run) -> None:
         )
         del step
         _free()
+
+
+def section_host(run: Run) -> None:
+    B, _, H, D, S, W, R = run.shape
+    t = Section(
+        run,
+        "host",
+        f"eager calls: the host's wall time until a call returns (the GPU idle before it), "
+        f"the eager call's time, the same call replayed from a CUDA graph, and the share of "
+        f"an eager call's span the GPU is busy (decode: B*H={B * H} streams, S={S})",
+        [
+            ("host_us", "host us", ".1f"),
+            ("eager_us", "eager us", ".1f"),
+            ("graph_us", "graph us", ".1f"),
+            ("busy_pct", "GPU busy %", ".0f"),
+        ],
+        case_width=34,
+    )
+    from sdm_ops.nn import SparseDeltaMemory
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    decode = in_place_fn(
+        make_workload(B, 1, H, D, S, W, R, decay=True, bank_dtype=torch.float32),
+        run.args.chunk_size,
+    )
+    step_layer = SparseDeltaMemory(512, H, D, (256, 256), R, W).cuda()
+    state = step_layer.initial_state(B)
+    x1 = torch.randn(B, 1, 512, device="cuda", generator=g)
+    fwd_layer = SparseDeltaMemory(512, H, D, (256, 256), R, W).cuda()
+    x256 = torch.randn(1, 256, 512, device="cuda", generator=g)
+    x_train = torch.randn(B, 4096, 512, device="cuda", generator=g)
+
+    def step():
+        return step_layer.step_(x1, state)
+
+    def forward_no_grad():
+        with torch.no_grad():
+            return fwd_layer(x256)
+
+    def forward_autograd():
+        return fwd_layer(x256)
+
+    def train_step():
+        fwd_layer(x_train).sum().backward()
+
+    cases = [
+        ("sparse_delta_memory_ T=1", decode, True),
+        ("layer step_ T=1 (d_model 512)", step, True),
+        ("layer forward B=1 T=256, no grad", forward_no_grad, True),
+        ("layer forward B=1 T=256, autograd", forward_autograd, False),
+        (f"layer fwd+bwd B={B} T=4096", train_step, False),
+    ]
+    fused, why = _import_peer("fla.ops.delta_rule", "fused_recurrent_delta_rule")
+    if fused is None:
+        t.note(f"fla fused_recurrent_delta_rule skipped: {why} (pip install fla-core)")
+    else:
+        q, k, v = (
+            torch.randn(B, 1, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)
+        )
+        k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
+        beta = torch.rand(B, 1, H, device="cuda", generator=g).to(torch.bfloat16)
+        h0 = torch.zeros(B, H, D, D, device="cuda")
+
+        def fla_decode():
+            with torch.no_grad():
+                return fused(q, k, v, beta=beta, initial_state=h0, output_final_state=True)
+
+        cases.insert(1, ("fla fused_recurrent_delta_rule T=1", fla_decode, True))
+    for i, (name, fn, graphable) in enumerate(cases, 1):
+        t.progress(i, len(cases), name)
+        busy_ms, span_ms = _timing.gpu_busy(fn)
+        graph_us = None
+        if graphable:
+            try:
+                graph_us = _timing.graph_ms(fn) * 1e3
+            except RuntimeError as e:  # reported, and the other figures still measured
+                t.note(f"{name}: not captured in a CUDA graph: {str(e).splitlines()[0][:120]}")
+        t.add(
+            name,
+            host_us=_timing.host_ms(fn) * 1e3,
+            eager_us=_timing.eager_ms(fn) * 1e3,
+            graph_us=graph_us,
+            busy_pct=100 * busy_ms / span_ms if span_ms > 0 else None,
+        )
+        _free()
+    t.note(
+        "graph: blank for calls with autograd (captured whole only inside torch.compile). "
+        "GPU busy: the union of kernel times over the span from the first kernel's start to "
+        "the last one's end, three eager calls in a row."
+    )
 
 
 def _import_peer(module: str, name: str):
@@ -967,6 +1061,7 @@ RUNNERS = {
     "main": section_main,
     "snapshots": section_snapshots,
     "decode": section_decode,
+    "host": section_host,
     "peers": section_peers,
     "packed": section_packed,
     "addressing": section_addressing,
