@@ -138,11 +138,19 @@ def gpu_busy(fn: Callable[[], object], calls: int = 3) -> tuple[float, float]:
                 fn()
             torch.cuda.synchronize()
         events = prof.events()
-    spans = sorted(
+    spans = [
         (e.time_range.start, e.time_range.end)
         for e in events
         if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    ]
+    busy, span = busy_and_span(spans)
+    return busy / 1e3, span / 1e3
+
+
+def busy_and_span(intervals) -> tuple[float, float]:
+    """(length of the union of ``intervals``, from the first start to the last end) of
+    ``(start, end)`` pairs in any order; (0, 0) for none."""
+    spans = sorted(intervals)
     if not spans:
         return 0.0, 0.0
     busy, (start, end) = 0.0, spans[0]
@@ -153,4 +161,4 @@ def gpu_busy(fn: Callable[[], object], calls: int = 3) -> tuple[float, float]:
         else:
             end = max(end, e)
     busy += end - start
-    return busy / 1e3, (max(e for _, e in spans) - spans[0][0]) / 1e3
+    return busy, max(e for _, e in spans) - spans[0][0]

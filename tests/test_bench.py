@@ -162,3 +162,19 @@ def test_snapshot_errors_write_json(tmp_path):
     assert none["bytes_per_token"] == 256 and bf16["bytes_per_token"] == 128
     assert all(none[k] == 0 for k in keys[1:])
     assert all(0 <= bf16[k] < 0.1 for k in keys[1:])
+
+
+@pytest.mark.parametrize(
+    "intervals, want",
+    [
+        ([], (0.0, 0.0)),
+        ([(0.0, 2.0)], (2.0, 2.0)),
+        ([(5.0, 6.0), (0.0, 2.0)], (3.0, 6.0)),  # a gap of 3: busy 3 of 6
+        ([(0.0, 4.0), (1.0, 2.0), (3.0, 5.0)], (5.0, 5.0)),  # nested and overlapping
+        ([(0.0, 1.0), (1.0, 2.0), (4.0, 4.5)], (2.5, 4.5)),  # touching, then a gap
+    ],
+)
+def test_gpu_busy_is_the_union_of_the_kernels_intervals(intervals, want):
+    from sdm_ops import _timing
+
+    assert _timing.busy_and_span(intervals) == want

@@ -147,6 +147,8 @@ def test_readme_benchmark_table_is_rendered_from_the_committed_results():
             "decode",
             "--section",
             "peers",
+            "--section",
+            "host",
         ],
         check=True,
         capture_output=True,
