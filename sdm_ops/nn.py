@@ -147,12 +147,17 @@ class SparseDeltaMemory(nn.Module):
         """x [B, T, d_model] -> raw [B, T, H, sum(factors)]: each factor's query vector dotted
         with that factor's sub-keys."""
         B, T, _ = x.shape
-        q = proj(x).view(B, T, self.heads, len(self.factors), self.key_dim)
+        H, Fn, K = self.heads, len(self.factors), self.key_dim
+        q = proj(x).view(B, T, H, Fn, K) * K**-0.5
+        if len(set(self.factors)) == 1:
+            # Equal factors (the usual case): one product for all of them, whose [.., Fn, n]
+            # result is already the concatenation of the factors' blocks. Each einsum is a
+            # dozen dispatched operations, which an eager call pays on the host.
+            keys = self.sub_keys.reshape(H, Fn, self.factors[0], K)
+            return torch.einsum("bthfk,hfnk->bthfn", q, keys).reshape(B, T, H, sum(self.factors))
         keys = self.sub_keys.split(self.factors, dim=1)  # [H, factors[f], key_dim] each
-        raw = [
-            torch.einsum("bthk,hnk->bthn", q[..., f, :], keys[f]) for f in range(len(self.factors))
-        ]
-        return torch.cat(raw, dim=-1) * self.key_dim**-0.5
+        raw = [torch.einsum("bthk,hnk->bthn", q[..., f, :], keys[f]) for f in range(Fn)]
+        return torch.cat(raw, dim=-1)
 
     def _address(self, proj: nn.Linear, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Slot indices [B, T, H, kk] (int64) and their softmax weights."""
