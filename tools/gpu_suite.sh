@@ -15,7 +15,9 @@
 # them. Wheels in .whl/ (packages the machine lacks, e.g. expecttest) are installed into
 # /tmp/site first; Triton's cache goes to TRITON_CACHE_DIR (default /tmp/sdm_triton_cache).
 # WORKERS: pytest-xdist workers (default: the CPU count; multi_gpu: 0). PYTEST_TIMEOUT:
-# seconds before the run is cut (default: none). OUT: a folder for the verbose log,
+# seconds before the run is interrupted (default: none); pytest then still prints the
+# failures so far. TESTS: the paths to collect (default "tests compile_tests"), to split a
+# part over several runs. OUT: a folder for the verbose log,
 # $OUT/pytest-PART.log (a cut run still names what finished); stdout then gets the summary.
 set -uo pipefail
 part=${1:-all}
@@ -39,8 +41,8 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/sdm_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-cmd=(timeout "${PYTEST_TIMEOUT:-0}" python3 -m pytest -n "${WORKERS:-$workers}" -p no:cacheprovider
-     -rfEs --durations=15 -m "$marks" tests compile_tests "$@")
+cmd=(timeout -s INT -k 30 "${PYTEST_TIMEOUT:-0}" python3 -m pytest -n "${WORKERS:-$workers}" -p no:cacheprovider
+     -rfEs --durations=15 -m "$marks" ${TESTS:-tests compile_tests} "$@")
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     "${cmd[@]}" -v >"$OUT/pytest-$part.log" 2>&1
