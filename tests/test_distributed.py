@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from sdm_ops.nn import SparseDeltaMemory
@@ -101,18 +102,26 @@ def ddp_rank(rank: int, world_size: int, device_type: str) -> dict:
 
 def fsdp_rank(rank: int, world_size: int, device_type: str, compiled: bool) -> dict:
     """One rank of the FSDP2 run (``run_ranks``'s target): each layer and the model sharded
-    over the ranks, parameters gathered for each layer's forward and backward."""
+    over the ranks, parameters gathered for each layer's forward and backward. The mesh is
+    given: without one, ``fully_shard`` shards over the accelerator whenever there is one (a
+    CUDA mesh for the CPU run on a GPU machine, whose gloo group cannot gather its shards)."""
     device = rank_device(rank, device_type)
     model = make_model(device)
+    mesh = init_device_mesh(device_type, (world_size,))
     for memory in model.memories:
-        fully_shard(memory)
-    fully_shard(model)
+        fully_shard(memory, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Where the shards live: the mesh's device type and that of each local shard.
+    devices = sorted(
+        {p.device_mesh.device_type for p in model.parameters()}
+        | {p.to_local().device.type for p in model.parameters()}
+    )
     if compiled:  # after fully_shard: its hooks (which Dynamo does not trace) run eagerly
         for memory in model.memories:
             memory.compile(fullgraph=True)
     losses = train_steps(model, model.parameters(), make_batch, STEPS, LR, device, rank, world_size)
     graphs = counters["stats"]["unique_graphs"]  # what Dynamo compiled in this process
-    return {"losses": losses, "params": full_params(model), "graphs": graphs}
+    return {"losses": losses, "params": full_params(model), "graphs": graphs, "devices": devices}
 
 
 def one_process(device: str, compiled: bool = False) -> tuple[list[float], dict, dict]:
@@ -187,6 +196,7 @@ def test_fsdp2_on_two_ranks_matches_one_process_on_the_whole_batch(device_type, 
     check_ranks_equal_one_process(ranks, want, COMPILED_RTOL if compiled else RTOL)
     for r, result in enumerate(ranks):
         assert (result["graphs"] > 0) == compiled, f"rank {r}: Dynamo compiled {result['graphs']}"
+        assert result["devices"] == [device_type], f"rank {r}: shards on {result['devices']}"
 
 
 def fail_on_rank_1(rank: int, world_size: int) -> None:
