@@ -27,11 +27,13 @@ hundred steps); ``--from-scratch`` trains a new model at each.
 The defaults, and why:
 
 - the key vocabulary grows with the pairs (4 keys a pair): with one vocabulary of the largest
-  P's size from the start, each key turns up in a few sequences a step at small P and neither
-  model leaves the loss of the values' uniform distribution (ln 256) in its first thousand
-  steps; a few keys a pair keep every key frequent while a sequence's keys stay a draw;
+  P's size (4096 keys) from the start, each key turns up in a few sequences a step at small
+  P and the models learn many times more slowly (a small SDM model at 4 pairs recalls under
+  a fifth of the queries where 16 keys let it recall nearly all in as many steps); a few keys
+  a pair keep every key frequent while a sequence's keys stay a draw;
 - AdamW at a peak learning rate of 1e-3 (linear warmup, cosine decay): at d_model 256, 5e-3
-  holds the models at that loss where 1e-3 leaves it;
+  holds the SDM model at the loss of the values' uniform distribution (ln 256) where 1e-3
+  leaves it;
 - 1500 steps for the new models at 16 pairs, where they learn to store and recall, then 400
   at each next number of pairs, where they adapt;
 - 32768 tokens a step, at most 256 sequences: at small T a step is bound by the host's
