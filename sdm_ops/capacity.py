@@ -2,9 +2,10 @@
 dense delta rule.
 
 ``python -m sdm_ops.capacity`` trains, for each number of pairs P (16 to 4096 by default), two
-models on multi-query associative recall (``sdm_ops.mqar.MQARTask``: P pairs, then up to
-``max_queries`` of their keys again, T = 2P + queries tokens) and evaluates both on the same
-held-out sequences:
+models on multi-query associative recall (:class:`RecallTask`, ``sdm_ops.mqar.MQARTask`` with
+one token layout for the whole sweep: P pairs whose keys come from a vocabulary of
+``keys_per_pair * P`` keys, then up to ``max_queries`` of their keys again, T = 2P + queries
+tokens) and evaluates both on the same held-out sequences:
 
 - ``sdm``: :class:`sdm_ops.nn.SparseDeltaMemory`, a bank of ``prod(factors)`` slots per head
   addressed by product-key top-k;
@@ -22,6 +23,27 @@ stays zero, as the dense state starts at zero. The numbers of pairs run in the o
 and at each one a model continues from itself as trained at the previous one (a curriculum:
 trained from scratch at thousands of pairs, neither model finds the task's signal in a few
 hundred steps); ``--from-scratch`` trains a new model at each.
+
+The defaults, and why:
+
+- the key vocabulary grows with the pairs (4 keys a pair): with one vocabulary of the largest
+  P's size (4096 keys) from the start, each key turns up in a few sequences a step at small
+  P and the models learn many times more slowly (a small SDM model at 4 pairs recalls under
+  a fifth of the queries where 16 keys let it recall nearly all in as many steps); a few keys
+  a pair keep every key frequent while a sequence's keys stay a draw;
+- AdamW at a peak learning rate of 1e-3 (linear warmup, cosine decay): at d_model 256, 5e-3
+  holds the SDM model at the loss of the values' uniform distribution (ln 256) where 1e-3
+  leaves it;
+- 1500 steps for the new models at 16 pairs, where they learn to store and recall, then 400
+  at each next number of pairs, where they adapt;
+- 32768 tokens a step, at most 256 sequences: at small T a step is bound by the host's
+  launches, not the GPU, so 256 short sequences cost about what 32 do and give each step
+  8 times the examples; at large T a step holds a few long sequences of 256 queries each.
+
+On one H200 the default sweep (9 numbers of pairs, both models) should take about 7 minutes:
+a step costs about 30 ms for the SDM model and 20 ms for the dense one up to some 25000
+tokens, about 45 and 22 ms at 32768, and compiling the kernels at the first steps about
+2 minutes.
 
 It prints progress lines while it trains, a table (pairs, sequence length, each model's recall
 and training time) at the end, and writes a PNG plot of recall against pairs (``--plot``;
@@ -213,12 +235,46 @@ class DenseDeltaRule(nn.Module):
 
 
 @dataclass(frozen=True)
+class RecallTask(mqar.MQARTask):
+    """:class:`sdm_ops.mqar.MQARTask` with the values' token ids from ``value_offset`` on
+    (``num_keys`` when None) instead of right after the keys: a sweep whose key vocabulary
+    grows with the number of pairs keeps one token layout, so a model trained at one number
+    of pairs continues at the next with the same embedding and head."""
+
+    value_offset: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.value_offset is not None and self.value_offset < self.num_keys:
+            raise ValueError(
+                f"value_offset ({self.value_offset}) must be at least num_keys "
+                f"({self.num_keys}): the values' ids follow the keys'"
+            )
+
+    @property
+    def first_value(self) -> int:
+        return self.num_keys if self.value_offset is None else self.value_offset
+
+    @property
+    def vocab(self) -> int:
+        return self.first_value + self.num_values
+
+    def batch(
+        self, batch_size: int, generator: torch.Generator, device: str | torch.device = "cpu"
+    ) -> tuple[Tensor, Tensor]:
+        tokens, labels = super().batch(batch_size, generator)
+        shift = self.first_value - self.num_keys
+        tokens = torch.where(tokens >= self.num_keys, tokens + shift, tokens)
+        labels = torch.where(labels >= self.num_keys, labels + shift, labels)
+        return tokens.to(device), labels.to(device)
+
+
+@dataclass(frozen=True)
 class Config:
     """One sweep: the task at each number of pairs, the two models and their training."""
 
     pairs: tuple[int, ...] = tuple(2**i for i in range(4, 13))  # 16 .. 4096
     max_queries: int = 256
-    keys: int | None = None  # the key vocabulary; None: the largest number of pairs
+    keys_per_pair: int = 4  # the key vocabulary at P pairs: keys_per_pair * P keys
     values: int = 256
     d_model: int = 256
     heads: int = 4
@@ -227,11 +283,11 @@ class Config:
     topk: int = 8
     layers: int = 2
     chunk_size: int = 64
-    steps: int = 600
-    first_steps: int | None = None  # a new model's steps; None: twice ``steps``
-    batch_tokens: int = 65536
-    max_batch: int = 32
-    lr: float = 5e-3
+    steps: int = 400
+    first_steps: int | None = 1500  # a new model's steps; None: twice ``steps``
+    batch_tokens: int = 32768
+    max_batch: int = 256
+    lr: float = 1e-3
     weight_decay: float = 0.01
     warmup: int = 50
     eval_sequences: int = 256
@@ -239,9 +295,14 @@ class Config:
     dense_backend: str = "auto"
     warm_start: bool = True
 
+    def num_keys(self, pairs: int) -> int:
+        """The key vocabulary at ``pairs`` pairs."""
+        return self.keys_per_pair * pairs
+
     @property
-    def num_keys(self) -> int:
-        return self.keys if self.keys is not None else max(self.pairs)
+    def vocab(self) -> int:
+        """Token ids of the whole sweep: the largest key vocabulary, then the values."""
+        return self.num_keys(max(self.pairs)) + self.values
 
     @property
     def new_model_steps(self) -> int:
@@ -251,12 +312,13 @@ class Config:
     def slots(self) -> int:
         return math.prod(self.factors)
 
-    def task(self, pairs: int) -> mqar.MQARTask:
-        return mqar.MQARTask(
-            num_keys=self.num_keys,
+    def task(self, pairs: int) -> RecallTask:
+        return RecallTask(
+            num_keys=self.num_keys(pairs),
             num_values=self.values,
             num_pairs=pairs,
             num_queries=min(pairs, self.max_queries),
+            value_offset=self.num_keys(max(self.pairs)),
         )
 
     def batch_size(self, seq_len: int) -> int:
@@ -267,17 +329,13 @@ class Config:
         """ValueError naming the option that cannot run."""
         if not self.pairs or any(p < 1 for p in self.pairs):
             raise ValueError(f"pairs must be positive numbers, got {list(self.pairs)}")
-        if self.num_keys < max(self.pairs):
-            raise ValueError(
-                f"keys ({self.num_keys}) must be at least the largest number of pairs "
-                f"({max(self.pairs)}): the keys of a sequence are distinct"
-            )
         if self.head_dim % len(self.factors):
             raise ValueError(
                 f"head_dim ({self.head_dim}) must be a multiple of the number of factors "
                 f"({len(self.factors)}): the SDM layer's key_dim is head_dim / len(factors)"
             )
         for name in (
+            "keys_per_pair",
             "max_queries",
             "values",
             "steps",
@@ -304,6 +362,7 @@ SMALL = Config(
     layers=2,
     chunk_size=16,
     steps=250,
+    first_steps=None,
     batch_tokens=512,
     max_batch=32,
     lr=1e-2,
@@ -541,8 +600,8 @@ def sweep(
     }
     log(
         f"capacity: multi-query associative recall at {', '.join(map(str, cfg.pairs))} pairs "
-        f"({cfg.num_keys} keys, {cfg.values} values, up to {cfg.max_queries} queries) on "
-        f"{device}; d_model {cfg.d_model}, {cfg.heads} heads of {cfg.head_dim}, "
+        f"({cfg.keys_per_pair} keys a pair, {cfg.values} values, up to {cfg.max_queries} "
+        f"queries) on {device}; d_model {cfg.d_model}, {cfg.heads} heads of {cfg.head_dim}, "
         f"{cfg.layers} blocks; {training_summary(dataclasses.asdict(cfg))}"
     )
     log(f"  sdm:   {models['sdm']['label']}; {counts['sdm']} parameters in the memory layer")
@@ -735,10 +794,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"queries a sequence at most: min(P, N) keys asked again (default {d.max_queries})",
     )
     task.add_argument(
-        "--keys",
+        "--keys-per-pair",
         type=_positive,
         metavar="N",
-        help="key vocabulary, at least the largest P (default: the largest P)",
+        help=f"key vocabulary at P pairs: N * P keys (default {d.keys_per_pair})",
     )
     task.add_argument(
         "--values", type=_positive, metavar="N", help=f"value vocabulary (default {d.values})"
@@ -793,14 +852,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train = parser.add_argument_group("training (the same for both models)")
     train.add_argument(
-        "--steps", type=_positive, metavar="N", help=f"steps per model (default {d.steps})"
+        "--steps",
+        type=_positive,
+        metavar="N",
+        help=f"steps of a model continuing at each next number of pairs (default {d.steps})",
     )
     train.add_argument(
         "--first-steps",
         type=_positive,
         metavar="N",
         help="steps of a new model: at the first number of pairs, or at every one with "
-        "--from-scratch (default: twice --steps)",
+        f"--from-scratch (default {d.first_steps}; with --small twice --steps)",
     )
     train.add_argument(
         "--batch-tokens",
@@ -887,7 +949,7 @@ def build_parser() -> argparse.ArgumentParser:
 OPTION_FIELDS = (
     "pairs",
     "max_queries",
-    "keys",
+    "keys_per_pair",
     "values",
     "d_model",
     "heads",
