@@ -2,7 +2,7 @@
 dense delta rule.
 
 ``python -m sdm_ops.capacity`` trains, for each number of pairs P (16 to 4096 by default), two
-models on multi-query associative recall (:class:`RecallTask`, ``sdm_ops.mqar.MQARTask`` with
+models on multi-query associative recall (``sdm_ops.mqar.MQARTask`` with
 one token layout for the whole sweep: P pairs whose keys come from a vocabulary of
 ``keys_per_pair * P`` keys, then up to ``max_queries`` of their keys again, T = 2P + queries
 tokens) and evaluates both on the same held-out sequences:
@@ -235,40 +235,6 @@ class DenseDeltaRule(nn.Module):
 
 
 @dataclass(frozen=True)
-class RecallTask(mqar.MQARTask):
-    """:class:`sdm_ops.mqar.MQARTask` with the values' token ids from ``value_offset`` on
-    (``num_keys`` when None) instead of right after the keys: a sweep whose key vocabulary
-    grows with the number of pairs keeps one token layout, so a model trained at one number
-    of pairs continues at the next with the same embedding and head."""
-
-    value_offset: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.value_offset is not None and self.value_offset < self.num_keys:
-            raise ValueError(
-                f"value_offset ({self.value_offset}) must be at least num_keys "
-                f"({self.num_keys}): the values' ids follow the keys'"
-            )
-
-    @property
-    def first_value(self) -> int:
-        return self.num_keys if self.value_offset is None else self.value_offset
-
-    @property
-    def vocab(self) -> int:
-        return self.first_value + self.num_values
-
-    def batch(
-        self, batch_size: int, generator: torch.Generator, device: str | torch.device = "cpu"
-    ) -> tuple[Tensor, Tensor]:
-        tokens, labels = super().batch(batch_size, generator)
-        shift = self.first_value - self.num_keys
-        tokens = torch.where(tokens >= self.num_keys, tokens + shift, tokens)
-        labels = torch.where(labels >= self.num_keys, labels + shift, labels)
-        return tokens.to(device), labels.to(device)
-
-
-@dataclass(frozen=True)
 class Config:
     """One sweep: the task at each number of pairs, the two models and their training."""
 
@@ -312,8 +278,8 @@ class Config:
     def slots(self) -> int:
         return math.prod(self.factors)
 
-    def task(self, pairs: int) -> RecallTask:
-        return RecallTask(
+    def task(self, pairs: int) -> mqar.MQARTask:
+        return mqar.MQARTask(
             num_keys=self.num_keys(pairs),
             num_values=self.values,
             num_pairs=pairs,

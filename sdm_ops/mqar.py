@@ -1,9 +1,10 @@
 """Multi-query associative recall (MQAR) with a small SparseDeltaMemory model.
 
 Each sequence holds ``num_pairs`` key-value pairs ``k_1 v_1 k_2 v_2 ...`` (keys distinct, from
-the key vocabulary ``[0, num_keys)``; values from the disjoint value vocabulary ``[num_keys,
-num_keys + num_values)``), then ``num_queries`` of those keys again in random order. The target
-at each query position is the value paired with that key; every other position is ignored
+the key vocabulary ``[0, num_keys)``; values from the disjoint value vocabulary ``[first_value,
+first_value + num_values)``, right after the keys unless ``value_offset`` says otherwise), then
+``num_queries`` of those keys again in random order. The target at each query position is the
+value paired with that key; every other position is ignored
 (label -100). A model solves it by writing each value under its key and reading it back.
 
 ``python -m sdm_ops.mqar`` (or ``main()``) trains the model of :class:`MQARModel` under
@@ -38,10 +39,24 @@ class MQARTask:
     num_values: int = 64
     num_pairs: int = 8
     num_queries: int = 8
+    # The values' first token id (None: right after the keys). A sweep whose key vocabulary
+    # grows keeps one token layout with a fixed offset.
+    value_offset: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.value_offset is not None and self.value_offset < self.num_keys:
+            raise ValueError(
+                f"value_offset ({self.value_offset}) must be at least num_keys "
+                f"({self.num_keys}): the values' ids follow the keys'"
+            )
+
+    @property
+    def first_value(self) -> int:
+        return self.num_keys if self.value_offset is None else self.value_offset
 
     @property
     def vocab(self) -> int:
-        return self.num_keys + self.num_values
+        return self.first_value + self.num_values
 
     @property
     def seq_len(self) -> int:
@@ -54,7 +69,7 @@ class MQARTask:
         ``generator`` (reproducible whatever the device), then moved to ``device``."""
         B, P, Q = batch_size, self.num_pairs, self.num_queries
         keys = torch.rand(B, self.num_keys, generator=generator).argsort(-1)[:, :P]
-        values = self.num_keys + torch.randint(0, self.num_values, (B, P), generator=generator)
+        values = self.first_value + torch.randint(0, self.num_values, (B, P), generator=generator)
         asked = torch.rand(B, P, generator=generator).argsort(-1)[:, :Q]
         tokens = torch.cat(
             [torch.stack([keys, values], -1).view(B, 2 * P), keys.gather(1, asked)], dim=1

@@ -442,7 +442,7 @@ def test_the_token_layout_is_the_same_at_every_number_of_pairs():
             assert labels[b, 2 * pairs :].tolist() == [stored[k] for k in asked]
             assert (labels[b, : 2 * pairs] == mqar.IGNORE).all()
     with pytest.raises(ValueError, match="value_offset"):
-        capacity.RecallTask(num_keys=8, value_offset=4)
+        mqar.MQARTask(num_keys=8, value_offset=4)
 
 
 # One number of pairs at which the SDM model learns on a CPU in under a minute: 16 keys (4 a
