@@ -517,6 +517,17 @@ def section_decode(run: Run) -> None:
         _free()
 
 
+def fla_inputs(B: int, T: int, H: int, D: int, g: torch.Generator):
+    """fla's ``q, k, v [B, T, H, D]`` (unit keys) and ``beta [B, T, H]``, bfloat16 on the GPU,
+    drawn from ``g``."""
+    q, k, v = (
+        torch.randn(B, T, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)
+    )
+    k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
+    beta = torch.rand(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    return q, k, v, beta
+
+
 def section_host(run: Run) -> None:
     B, _, H, D, S, W, R = run.shape
     t = Section(
@@ -571,11 +582,7 @@ def section_host(run: Run) -> None:
     if fused is None:
         t.note(f"fla fused_recurrent_delta_rule skipped: {why} (pip install fla-core)")
     else:
-        q, k, v = (
-            torch.randn(B, 1, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)
-        )
-        k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
-        beta = torch.rand(B, 1, H, device="cuda", generator=g).to(torch.bfloat16)
+        q, k, v, beta = fla_inputs(B, 1, H, D, g)
         h0 = torch.zeros(B, H, D, D, device="cuda")
 
         def fla_decode():
@@ -631,11 +638,7 @@ def section_peers(run: Run) -> None:
         ],
     )
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(B, T, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)
-    )
-    k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
-    beta = torch.rand(B, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    q, k, v, beta = fla_inputs(B, T, H, D, g)
     gate = -torch.rand(B, T, H, D, device="cuda", generator=g) * 0.1
     peers = (
         ("fla chunk_delta_rule", "fla.ops.delta_rule", "chunk_delta_rule", ()),
