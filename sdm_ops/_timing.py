@@ -161,4 +161,4 @@ def busy_and_span(intervals) -> tuple[float, float]:
         else:
             end = max(end, e)
     busy += end - start
-    return busy, max(e for _, e in spans) - spans[0][0]
+    return busy, end - spans[0][0]  # sorted by start: the last merged run ends last
