@@ -1239,34 +1239,35 @@ def recurrence_bwd(
     needed: ``snap`` holds every row the backward reads; ``bank_rows`` is S): (dv, dbeta,
     dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D] float32); see
     ``kernels/recurrence_bwd.py``."""
+    args = (
+        beta,
+        write_idx,
+        read_idx,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+        X,
+        QX,
+        res,
+        delta,
+        bank_rows,
+        snap,
+        snap_scale,
+        snapshot,
+        dout,
+        dbank_out,
+        v_dtype,
+        chunks,
+        seq_chunks,
+    )
     if use_kernels(res):
         from .kernels import bank_copy as kc
         from .kernels import recurrence_bwd as k
 
-        dv, dbeta, _, _, _, _, dX, dQX, dbank = recurrence_meta.recurrence_bwd_fake(
-            beta,
-            write_idx,
-            read_idx,
-            gather_w,
-            gather_r,
-            scatter_w,
-            row_decay,
-            rank,
-            read_rank,
-            X,
-            QX,
-            res,
-            delta,
-            bank_rows,
-            snap,
-            snap_scale,
-            snapshot,
-            dout,
-            dbank_out,
-            v_dtype,
-            chunks,
-            seq_chunks,
-        )
+        dv, dbeta, _, _, _, _, dX, dQX, dbank = recurrence_meta.recurrence_bwd_fake(*args)
         with on_device(res):
             if dbank_out is None:
                 dbank.zero_()
@@ -1299,30 +1300,7 @@ def recurrence_bwd(
                 seq_chunks=seq_chunks,
             )
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
-    return _recurrence_bwd_reference(
-        beta,
-        write_idx,
-        read_idx,
-        gather_w,
-        gather_r,
-        scatter_w,
-        row_decay,
-        rank,
-        read_rank,
-        X,
-        QX,
-        res,
-        delta,
-        bank_rows,
-        snap,
-        snap_scale,
-        snapshot,
-        dout,
-        dbank_out,
-        v_dtype,
-        chunks,
-        seq_chunks,
-    )
+    return _recurrence_bwd_reference(*args)
 
 
 recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
