@@ -909,118 +909,7 @@ def recurrence_fwd(
     bank_out is the working set at the end, ``[banks, H, U, D]``, of which only the written
     rows are defined, and nothing is copied. ``snapshot`` may also be ``SKIP_SNAPSHOT``: no
     snapshot, and snap, snap_scale, res and delta are empty (a forward without backward)."""
-    if use_kernels(v) and row_slots is not None:
-        from .kernels import bank_copy as kc
-        from .kernels import recurrence_fwd as k
-
-        out, bank_out, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
-            v,
-            beta,
-            write_idx,
-            read_idx,
-            gather_w,
-            gather_r,
-            scatter_w,
-            row_decay,
-            rank,
-            read_rank,
-            X,
-            QX,
-            bank,
-            snapshot,
-            chunks,
-            seq_chunks,
-            write_src,
-            read_src,
-            row_slots,
-        )
-        first = write_idx.new_empty(row_slots.shape, dtype=torch.int32)
-        skip = snapshot == SKIP_SNAPSHOT
-        with on_device(v):
-            kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
-            k.recurrence_fwd(
-                v=v,
-                beta=beta,
-                write_idx=write_idx,
-                read_idx=read_idx,
-                gather_w=gather_w,
-                gather_r=gather_r,
-                scatter_w=scatter_w,
-                row_decay=row_decay,
-                rank=rank,
-                X=X,
-                QX=QX,
-                bank=bank_out,
-                out=out,
-                res=None if skip else res,
-                delta=None if skip else delta,
-                snap=snap,
-                snap_scale=snap_scale,
-                snapshot=None if skip else snapshot,
-                chunks=chunks,
-                seq_chunks=seq_chunks,
-                source=bank,
-                first=first,
-                write_src=write_src,
-                read_src=read_src,
-            )
-        return out, bank_out, snap, snap_scale, res, delta
-    if use_kernels(v):
-        from .kernels import bank_copy as kc
-        from .kernels import recurrence_fwd as k
-
-        out, bank_out, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(
-            v,
-            beta,
-            write_idx,
-            read_idx,
-            gather_w,
-            gather_r,
-            scatter_w,
-            row_decay,
-            rank,
-            read_rank,
-            X,
-            QX,
-            bank,
-            snapshot,
-            chunks,
-            seq_chunks,
-        )
-        first = write_idx.new_empty(
-            bank_out.shape[:2].numel(), bank_out.shape[2], dtype=torch.int32
-        )
-        with on_device(v):
-            # Phase 2 reads each row from the input bank until its stream first writes it, so
-            # only the rows that no chunk writes are copied.
-            kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
-            kc.bank_copy_unwritten(bank, bank_out, first)
-            k.recurrence_fwd(
-                v=v,
-                beta=beta,
-                write_idx=write_idx,
-                read_idx=read_idx,
-                gather_w=gather_w,
-                gather_r=gather_r,
-                scatter_w=scatter_w,
-                row_decay=row_decay,
-                rank=rank,
-                X=X,
-                QX=QX,
-                bank=bank_out,
-                out=out,
-                res=res,
-                delta=delta,
-                snap=snap,
-                snap_scale=snap_scale,
-                snapshot=snapshot,
-                chunks=chunks,
-                seq_chunks=seq_chunks,
-                source=bank,
-                first=first,
-            )
-        return out, bank_out, snap, snap_scale, res, delta
-    return _recurrence_fwd_reference(
+    args = (
         v,
         beta,
         write_idx,
@@ -1041,6 +930,50 @@ def recurrence_fwd(
         read_src,
         row_slots,
     )
+    if use_kernels(v):
+        from .kernels import bank_copy as kc
+        from .kernels import recurrence_fwd as k
+
+        out, bank_out, snap, snap_scale, res, delta = recurrence_meta.recurrence_fwd_fake(*args)
+        # Each row's first writing chunk: [streams, S], or row_slots' [P, U] on a working set.
+        first = write_idx.new_empty(
+            bank_out.shape[:2].numel(), bank_out.shape[2], dtype=torch.int32
+        )
+        keep = snapshot != SKIP_SNAPSHOT
+        with on_device(v):
+            kc.first_writes(write_idx, X.shape[-1], chunks, seq_chunks, first)
+            if row_slots is None:
+                # Phase 2 reads each row from the input bank until its stream first writes it, so
+                # only the rows that no chunk writes are copied.
+                kc.bank_copy_unwritten(bank, bank_out, first)
+            k.recurrence_fwd(
+                v=v,
+                beta=beta,
+                write_idx=write_idx,
+                read_idx=read_idx,
+                gather_w=gather_w,
+                gather_r=gather_r,
+                scatter_w=scatter_w,
+                row_decay=row_decay,
+                rank=rank,
+                X=X,
+                QX=QX,
+                bank=bank_out,
+                out=out,
+                res=res if keep else None,
+                delta=delta if keep else None,
+                snap=snap,
+                snap_scale=snap_scale,
+                snapshot=snapshot if keep else None,
+                chunks=chunks,
+                seq_chunks=seq_chunks,
+                source=bank,
+                first=first,
+                write_src=write_src,
+                read_src=read_src,
+            )
+        return out, bank_out, snap, snap_scale, res, delta
+    return _recurrence_fwd_reference(*args)
 
 
 def _recurrence_fwd_inplace_cpu(
@@ -1306,34 +1239,35 @@ def recurrence_bwd(
     needed: ``snap`` holds every row the backward reads; ``bank_rows`` is S): (dv, dbeta,
     dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D] float32); see
     ``kernels/recurrence_bwd.py``."""
+    args = (
+        beta,
+        write_idx,
+        read_idx,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+        X,
+        QX,
+        res,
+        delta,
+        bank_rows,
+        snap,
+        snap_scale,
+        snapshot,
+        dout,
+        dbank_out,
+        v_dtype,
+        chunks,
+        seq_chunks,
+    )
     if use_kernels(res):
         from .kernels import bank_copy as kc
         from .kernels import recurrence_bwd as k
 
-        dv, dbeta, _, _, _, _, dX, dQX, dbank = recurrence_meta.recurrence_bwd_fake(
-            beta,
-            write_idx,
-            read_idx,
-            gather_w,
-            gather_r,
-            scatter_w,
-            row_decay,
-            rank,
-            read_rank,
-            X,
-            QX,
-            res,
-            delta,
-            bank_rows,
-            snap,
-            snap_scale,
-            snapshot,
-            dout,
-            dbank_out,
-            v_dtype,
-            chunks,
-            seq_chunks,
-        )
+        dv, dbeta, _, _, _, _, dX, dQX, dbank = recurrence_meta.recurrence_bwd_fake(*args)
         with on_device(res):
             if dbank_out is None:
                 dbank.zero_()
@@ -1366,30 +1300,7 @@ def recurrence_bwd(
                 seq_chunks=seq_chunks,
             )
         return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
-    return _recurrence_bwd_reference(
-        beta,
-        write_idx,
-        read_idx,
-        gather_w,
-        gather_r,
-        scatter_w,
-        row_decay,
-        rank,
-        read_rank,
-        X,
-        QX,
-        res,
-        delta,
-        bank_rows,
-        snap,
-        snap_scale,
-        snapshot,
-        dout,
-        dbank_out,
-        v_dtype,
-        chunks,
-        seq_chunks,
-    )
+    return _recurrence_bwd_reference(*args)
 
 
 recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
