@@ -19,6 +19,11 @@
 # failures so far. TESTS: the paths to collect (default "tests compile_tests"), to split a
 # part over several runs. OUT: a folder for the verbose log,
 # $OUT/pytest-PART.log (a cut run still names what finished); stdout then gets the summary.
+# Compiling the kernels takes most of a cold run, so the compile caches can travel between
+# machines: with CACHE_OUT=1 the run packs Triton's and Inductor's caches into
+# $OUT/compile-cache.tar.gz when it stays under 48 MiB (small enough to copy to the next
+# machine with the repository), and a .tcache/compile-cache.tar.gz in the repository (copy
+# the packed file there; .tcache/ is ignored by git) seeds both caches before the tests.
 set -uo pipefail
 part=${1:-all}
 [ $# -gt 0 ] && shift
@@ -38,7 +43,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/sdm_triton_cache}
-mkdir -p "$TRITON_CACHE_DIR"
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/sdm_inductor_cache}
+mkdir -p "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+if [ -f .tcache/compile-cache.tar.gz ]; then
+    tar -xzf .tcache/compile-cache.tar.gz -C / && echo "compile caches seeded from .tcache/"
+fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 cmd=(timeout -s INT -k 30 "${PYTEST_TIMEOUT:-0}" python3 -m pytest -n "${WORKERS:-$workers}" -p no:cacheprovider
@@ -53,4 +62,14 @@ else
     status=$?
 fi
 echo "gpu_suite.sh $part: pytest exit status $status (124: cut by PYTEST_TIMEOUT)"
+if [ -n "${CACHE_OUT:-}" ] && [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/compile-cache.tar.gz" -C / "${TRITON_CACHE_DIR#/}" "${TORCHINDUCTOR_CACHE_DIR#/}"
+    size=$(stat -c %s "$OUT/compile-cache.tar.gz")
+    if [ "$size" -gt $((48 * 1024 * 1024)) ]; then
+        rm "$OUT/compile-cache.tar.gz"
+        echo "compile caches not packed: $((size >> 20)) MiB, over 48 MiB"
+    else
+        echo "compile caches packed: $OUT/compile-cache.tar.gz, $((size >> 20)) MiB"
+    fi
+fi
 exit $status
