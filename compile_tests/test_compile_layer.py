@@ -17,15 +17,18 @@ RTOL = 1e-4  # compiled against eager: Inductor fuses the projections differentl
 B, D_MODEL, H, D = 2, 32, 2, 16
 
 
-def make_layer(decay: bool = True) -> SparseDeltaMemory:
+def make_layer(decay: bool = True, equal: bool = False) -> SparseDeltaMemory:
+    """Factors (4, 8) and different read and write top-k, or with ``equal`` factors (8, 8)
+    and one top-k (the layer's other way to address: one product for all factors and one
+    top-k for reads and writes)."""
     torch.manual_seed(0)
     layer = SparseDeltaMemory(
         D_MODEL,
         heads=H,
         head_dim=D,
-        factors=(4, 8),
+        factors=(8, 8) if equal else (4, 8),
         read_topk=3,
-        write_topk=2,
+        write_topk=3 if equal else 2,
         use_decay=decay,
         chunk_size=16,
     )
@@ -43,10 +46,11 @@ def layer_loss(layer, x, g, state=None):
     return (y * g).sum() + final.square().sum() * 1e-2
 
 
+@pytest.mark.parametrize("equal", [False, True])
 @pytest.mark.parametrize("decay", [True, False])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_fullgraph_forward_and_backward_match_eager(decay, with_state):
-    layer = make_layer(decay)
+def test_fullgraph_forward_and_backward_match_eager(decay, with_state, equal):
+    layer = make_layer(decay, equal)
     compiled = torch.compile(layer_loss, fullgraph=True)
     T = 37
     x = make_x(T, seed=1)
@@ -95,8 +99,9 @@ def test_explain_finds_no_graph_break():
     assert explanation.graph_count == 1
 
 
-def test_compiled_step_matches_eager():
-    layer = make_layer()
+@pytest.mark.parametrize("equal", [False, True])
+def test_compiled_step_matches_eager(equal):
+    layer = make_layer(equal=equal)
     compiled = torch.compile(layer.step_, fullgraph=True)
     x = make_x(6, seed=4)
     want_state, got_state = layer.initial_state(B), layer.initial_state(B)

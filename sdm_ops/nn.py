@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import FLOAT_DTYPES, check_int, check_shape, check_tensor
@@ -29,6 +30,13 @@ from .recurrence import (
 
 MAX_SLOTS = 1 << 20
 DECAY_BIAS = 4.0  # sigmoid(4) ~ 0.982: slots start close to no decay
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """Whether ``m`` is an ``nn.Linear`` itself (no subclass or wrapper) with no module hooks:
+    its output is then ``F.linear`` of its own weight and bias."""
+    hooks = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+    return type(m) is nn.Linear and not any(hooks)
 
 
 class SparseDeltaMemory(nn.Module):
@@ -143,44 +151,84 @@ class SparseDeltaMemory(nn.Module):
             f"chunk_size={self.chunk_size}, snapshot={self.snapshot!r}"
         )
 
-    def _scores(self, proj: nn.Linear, x: Tensor) -> Tensor:
-        """x [B, T, d_model] -> raw [B, T, H, sum(factors)]: each factor's query vector dotted
-        with that factor's sub-keys."""
-        B, T, _ = x.shape
+    def _scores(self, qk: Tensor) -> Tensor:
+        """qk [B * T, 2 * H * F * key_dim] (the read queries, then the write keys) -> raw
+        [2, B, T, H, sum(factors)]: each factor's vector dotted with that factor's sub-keys,
+        for the reads (raw[0]) and the writes (raw[1]) in one batched product."""
+        BT = qk.shape[0]
         H, Fn, K = self.heads, len(self.factors), self.key_dim
-        q = proj(x).view(B, T, H, Fn, K) * K**-0.5
+        # [2 * H * F, B * T, K] as a view: batch (reads or writes, head, factor).
+        q = (qk * K**-0.5).view(BT, 2 * H * Fn, K).transpose(0, 1)
         if len(set(self.factors)) == 1:
-            # Equal factors (the usual case): one product for all of them, whose [.., Fn, n]
-            # result is already the concatenation of the factors' blocks. Each einsum is a
-            # dozen dispatched operations, which an eager call pays on the host.
-            keys = self.sub_keys.reshape(H, Fn, self.factors[0], K)
-            return torch.einsum("bthfk,hfnk->bthfn", q, keys).reshape(B, T, H, sum(self.factors))
-        keys = self.sub_keys.split(self.factors, dim=1)  # [H, factors[f], key_dim] each
-        raw = [torch.einsum("bthk,hnk->bthn", q[..., f, :], keys[f]) for f in range(Fn)]
+            # Equal factors (the usual case): one product for every (head, factor), whose
+            # [.., F, n] result is already the concatenation of the factors' blocks.
+            n = self.factors[0]
+            keys = self.sub_keys.reshape(H * Fn, n, K)
+            s = torch.bmm(q, torch.cat([keys, keys]).mT)  # [2 * H * F, B * T, n]
+            return s.view(2, H, Fn, BT, n).permute(0, 3, 1, 2, 4).reshape(2, BT, H, Fn * n)
+        q = q.view(2, H, Fn, BT, K)
+        raw = []
+        for f, keys in enumerate(self.sub_keys.split(self.factors, dim=1)):
+            # keys [H, factors[f], key_dim]: one product for the reads and writes of factor f.
+            s = torch.bmm(q[:, :, f].reshape(2 * H, BT, K), torch.cat([keys, keys]).mT)
+            raw.append(s.view(2, H, BT, keys.shape[1]).transpose(1, 2))
         return torch.cat(raw, dim=-1)
 
-    def _address(self, proj: nn.Linear, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Slot indices [B, T, H, kk] (int64) and their softmax weights."""
-        val, idx = product_key_topk(self._scores(proj, x), self.factors, k)
-        return idx, torch.softmax(val.float(), dim=-1).to(x.dtype)
+    def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """x [B * T, d_model] -> (q and k side by side [B * T, 2 * H * F * key_dim], v
+        [B * T, H * D], the gates' pre-activations [B * T, H]: beta's, then decay's).
+
+        One matrix product against the projections' weights side by side (one operation
+        rather than one or two for each projection; the modules keep their own parameters).
+        A projection that is not a plain ``nn.Linear`` without hooks (an adapter, a module
+        sharded on its own) runs through its own forward instead."""
+        linears = [self.q_proj, self.k_proj, self.v_proj, self.b_proj]
+        if self.decay_proj is not None:
+            linears.append(self.decay_proj)
+        gates = linears[3:]
+        if not all(map(_plain_linear, linears)):
+            qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1)
+            return qk, self.v_proj(x), [m(x) for m in gates]
+        z = F.linear(x, torch.cat([m.weight for m in linears]))
+        qk, v, *g = z.split(
+            [2 * self.q_proj.out_features, self.v_proj.out_features] + [self.heads] * len(gates),
+            dim=1,
+        )
+        return qk, v, [gi + m.bias for gi, m in zip(g, gates)]
 
     def _inputs(self, x: Tensor) -> dict[str, Tensor | None]:
-        """The recurrence's per-token arguments from x [B, T, d_model]."""
-        B, T, _ = x.shape
-        write_idx, write_w = self._address(self.k_proj, x, self.write_topk)
-        read_idx, read_w = self._address(self.q_proj, x, self.read_topk)
+        """The recurrence's per-token arguments from x [B, T, d_model]: the projections
+        (``_projections``), then the read and write addressing as one batched product
+        (``_scores``) and, with read_topk equal to write_topk, one top-k."""
+        B, T, d = x.shape
+        H, D = self.heads, self.head_dim
+        qk, v, g = self._projections(x.reshape(B * T, d))
+        beta = torch.sigmoid(g[0]).view(B, T, H)
+        raw = self._scores(qk).unflatten(1, (B, T))  # [2, B, T, H, sum(factors)]
+        if self.read_topk == self.write_topk:
+            val, idx = product_key_topk(raw, self.factors, self.read_topk)
+            w = torch.softmax(val.float(), dim=-1).to(x.dtype)
+            (read_idx, write_idx), (read_w, write_w) = idx, w
+        else:
+            read_idx, read_w = self._address(raw[0], self.read_topk, x.dtype)
+            write_idx, write_w = self._address(raw[1], self.write_topk, x.dtype)
         decay = None
         if self.decay_proj is not None:
-            decay = torch.sigmoid(self.decay_proj(x)).unsqueeze(-1).expand_as(write_w)
+            decay = torch.sigmoid(g[1]).view(B, T, H, 1).expand_as(write_w)
         return dict(
-            v=self.v_proj(x).view(B, T, self.heads, self.head_dim),
-            beta=torch.sigmoid(self.b_proj(x)),
+            v=v.view(B, T, H, D),
+            beta=beta,
             write_idx=write_idx,
             write_w=write_w,
             read_idx=read_idx,
             read_w=read_w,
             decay=decay,
         )
+
+    def _address(self, raw: Tensor, k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Slot indices [B, T, H, kk] (int64) and their softmax weights from ``raw``."""
+        val, idx = product_key_topk(raw, self.factors, k)
+        return idx, torch.softmax(val.float(), dim=-1).to(dtype)
 
     def _output(self, out: Tensor) -> Tensor:
         B, T = out.shape[:2]

@@ -50,31 +50,28 @@ def working_rows(
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     dev = write_idx.device
-    heads = torch.arange(H, device=dev)
+    P = B * H if cu_seqlens is None else (cu_seqlens.shape[0] - 1) * H
+    U = working_set_rows(T, W, R, S)
+    # One key per entry: stream * (S + 1) + slot, the slot clamped to [-1, S], where -1 and S
+    # address nothing (-1 lands on the previous stream's slot S, or below stream 0); 32-bit
+    # where every key fits (a radix sort then makes half the passes).
+    span = S + 1
+    key_dtype = torch.int32 if (P + 1) * span < 2**31 else torch.int64
+    firsts = torch.arange(0, P * span, span, device=dev, dtype=key_dtype)  # each stream's key 0
     if cu_seqlens is None:
-        P = B * H
-        stream = (torch.arange(B, device=dev)[:, None, None] * H + heads).expand(B, T, H)
+        stream_key = firsts.view(B, 1, H, 1)  # stream b * H + h
     else:
         N = cu_seqlens.shape[0] - 1
-        P = N * H
         # Token t belongs to sequence n when cu[n] <= t < cu[n + 1]; tokens past the last
         # offset belong to none (P, past every stream).
         seq = torch.searchsorted(
             cu_seqlens[1:].contiguous(), torch.arange(T, device=dev), right=True
-        )
-        stream = torch.where(seq[None, :, None] < N, seq[None, :, None] * H + heads, P)
-        stream = stream.expand(B, T, H)
-    U = working_set_rows(T, W, R, S)
-    # One key per entry: stream * (S + 1) + slot, slot S for an entry that addresses nothing;
-    # 32-bit where every key fits (a radix sort then makes half the passes).
-    span = S + 1
-    key_dtype = torch.int32 if (P + 1) * span < 2**31 else torch.int64
-
-    def keys(idx: Tensor, E: int) -> Tensor:
-        slot = torch.where((idx >= 0) & (idx < S), idx, S).to(key_dtype)
-        return (stream[..., None].to(key_dtype) * span + slot).reshape(-1)
-
-    flat = torch.cat([keys(write_idx, W), keys(read_idx, R)])
+        )[:, None]
+        stream = torch.where(seq < N, seq * H + torch.arange(H, device=dev), P)
+        stream_key = (stream.to(key_dtype) * span)[None, :, :, None]
+    # The write entries then the read entries of each token, side by side.
+    idx = torch.cat([write_idx, read_idx], dim=-1)
+    flat = (stream_key + idx.clamp(-1, S).to(key_dtype)).reshape(-1)
     if flat.numel() == 0:
         return WorkingRows(
             write_idx.new_full(write_idx.shape, -1, dtype=torch.int64),
@@ -82,30 +79,27 @@ def working_rows(
             write_idx.new_full((P, U), -1, dtype=torch.int64),
         )
     key, order = torch.sort(flat)
-    new = torch.ones_like(key, dtype=torch.bool)
-    new[1:] = key[1:] != key[:-1]
-    distinct = torch.cumsum(new, 0) - 1  # the number of distinct keys before each key
-    key_stream, key_slot = (key // span).long(), (key % span).long()
+    # The number of distinct keys before each key: a new key wherever the sorted keys change.
+    distinct = torch.cumsum(torch.nn.functional.pad(key[1:] != key[:-1], (1, 0)), 0)
+    key_stream, key_slot = key // span, key % span
     valid = (key_slot < S) & (key_stream < P)
     # A stream's rows count from its first key: the distinct keys before it are other streams'.
-    starts = torch.searchsorted(key, torch.arange(P, device=dev, dtype=key.dtype) * span)
-    first = distinct[starts.clamp(max=key.numel() - 1)]
-    row = distinct - first[key_stream.clamp(max=max(P - 1, 0))]
+    first = distinct[torch.searchsorted(key, firsts).clamp(max=key.numel() - 1)]
+    row = distinct - first[key_stream.clamp(0, max(P - 1, 0))]
     row = torch.where(valid, row, -1)
-    rows = torch.empty_like(row).scatter_(0, order, row)
-    n_write = write_idx.numel()
+    rows = torch.empty_like(row).scatter_(0, order, row).view(*idx.shape)
     # Each row's slot: every key of the row stores the same slot there, so no order of the
     # stores changes the result; keys that address nothing store -1 into spare places, spread
     # so that they do not all contend for one address.
     spare = torch.arange(key.numel(), device=dev) % _SPARE
     target = torch.where(valid, key_stream * U + row, P * U + spare)
-    row_slots = torch.full((P * U + _SPARE,), -1, dtype=torch.int64, device=dev)
+    row_slots = torch.full((P * U + _SPARE,), -1, dtype=key_dtype, device=dev)
     row_slots.scatter_(0, target, torch.where(valid, key_slot, -1))
     return WorkingRows(
         # Copies: the operator returns them, and no two of its outputs may share memory.
-        rows[:n_write].view(write_idx.shape).clone(),
-        rows[n_write:].view(read_idx.shape).clone(),
-        row_slots[: P * U].view(P, U).clone(),
+        rows[..., :W].clone(memory_format=torch.contiguous_format),
+        rows[..., W:].clone(memory_format=torch.contiguous_format),
+        row_slots[: P * U].view(P, U).to(torch.int64, copy=True),
     )
 
 

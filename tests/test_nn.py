@@ -113,6 +113,28 @@ def test_step_after_a_prompt_in_blocks_equals_forward():
     assert_close(torch.cat(got, 1), want[:, 20:], rtol=RTOL, name="y of step_ after a prompt")
 
 
+@pytest.mark.parametrize("proj", ["q_proj", "v_proj", "b_proj", "decay_proj"])
+def test_a_hook_on_a_projection_takes_effect(proj):
+    """The projections run as one product of their weights; a hooked projection runs through
+    its own forward instead: a hook doubling its output equals doubling its weight and bias
+    (each layer's forward and the gradients of x)."""
+    hooked, doubled = make_layer(), make_layer()
+    getattr(hooked, proj).register_forward_hook(lambda m, args, out: out * 2)
+    with torch.no_grad():
+        for p in getattr(doubled, proj).parameters():
+            p.mul_(2)
+    results = []
+    for layer in (hooked, doubled):
+        x = make_x().requires_grad_()
+        y = layer(x)
+        y.square().sum().backward()
+        results.append((y, x.grad))
+    (y_hooked, gx_hooked), (y_doubled, gx_doubled) = results
+    assert_close(y_hooked, y_doubled, rtol=RTOL, name=f"y with {proj} hooked")
+    assert_close(gx_hooked, gx_doubled, rtol=RTOL, name=f"grad of x with {proj} hooked")
+    assert (y_hooked - make_layer()(make_x())).abs().max() > 1e-3  # the hook changes y
+
+
 def test_decay_off_equals_decay_of_one():
     """use_decay=False runs the recurrence without decay: the same as decays of exactly 1."""
     on, off = make_layer(use_decay=True), make_layer(use_decay=False)
