@@ -656,7 +656,9 @@ def sparse_delta_memory_(
     state = bank.contiguous()
     T = v.shape[1]
     if T == 1 and cu_seqlens is None:  # a decode step: one kernel, no chunk machinery
-        out = decode_step_(state, v, beta, write_idx, write_w, read_idx, read_w, decay)
+        # The step's body, not its operator: a second dispatch would double the host cost of
+        # an eager step, and a traced graph sees the same kernel either way.
+        out = _decode_step(state, v, beta, write_idx, write_w, read_idx, read_w, decay)
     else:
         prep, X, QX, (chunks, seq_chunks) = _phase1(
             v,
@@ -1108,8 +1110,7 @@ _decode_step_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::decode_step_", mutates_args=("bank",))
-def decode_step_(
+def _decode_step(
     bank: Tensor,
     v: Tensor,
     beta: Tensor,
@@ -1139,6 +1140,9 @@ def decode_step_(
             )
         return out
     return _decode_step_reference(bank, v, beta, write_idx, write_w, read_idx, read_w, decay)
+
+
+decode_step_ = triton_op("sdm_internal::decode_step_", mutates_args=("bank",))(_decode_step)
 
 
 chunk_prepare.register_fake(recurrence_meta.chunk_prepare_fake)

@@ -1,6 +1,7 @@
-"""The decode step (``sdm_internal::decode_step_``, T = 1): the kernel (natively on CUDA, under the
-interpreter on CPU) and the CPU path against the float64 token reference, with duplicate slots
-within the token, padding, out-of-range indices and zero decays; in place and deterministic.
+"""The decode step (``sdm_internal::decode_step_``, T = 1, whose body ``sdm::sparse_delta_memory_``
+runs in its own dispatch): the kernel (natively on CUDA, under the interpreter on CPU) and the
+CPU path against the float64 token reference, with duplicate slots within the token, padding,
+out-of-range indices and zero decays; in place and deterministic.
 Its opcheck lives in test_opcheck.py with the other operators'."""
 
 import contextlib
@@ -51,6 +52,20 @@ def test_decode_step_matches_float64_token_reference(kernels, decay):
     out, bank = _step(a, kernels)
     out_r, bank_r = _oracle(a)
     assert out.shape == a["v"].shape and out.dtype == a["v"].dtype
+    assert_close(out, out_r, rtol=1e-5, name="out")
+    assert_close(bank, bank_r, rtol=1e-5, name="bank")
+
+
+@requires_kernels
+def test_an_eager_decode_step_dispatches_one_operator():
+    # The public operator runs the step's body itself: a nested sdm_internal::decode_step_
+    # would be a second dispatch, host time that an eager decode loop pays every token.
+    a = _inputs(seed=5, device=KERNEL_DEVICE)
+    with torch.profiler.profile() as prof:
+        out, bank = _step(a, True)
+    called = sorted({e.name for e in prof.events() if e.name.startswith("sdm")})
+    assert called == ["sdm::sparse_delta_memory_"], called
+    out_r, bank_r = _oracle(a)
     assert_close(out, out_r, rtol=1e-5, name="out")
     assert_close(bank, bank_r, rtol=1e-5, name="bank")
 
