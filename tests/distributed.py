@@ -67,6 +67,9 @@ def _rank_main(
         raise
     try:
         torch.save(fn(rank, world_size, *args), Path(folder, f"rank{rank}.pt"))
+        # Every rank done before any tears the group down: a rank that leaves while another
+        # still has a collective in flight can abort that rank's process (gloo terminates it).
+        dist.barrier()
     except BaseException:
         _save_failure(folder, rank)  # before the group goes, which fails the other ranks
         raise
