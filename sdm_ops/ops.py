@@ -1,7 +1,7 @@
 """The inventory: every operator sdm_ops registers.
 
 Namespace ``sdm`` (``torch.ops.sdm``) holds the public operators, one for each public function,
-which call it once after checking their arguments:
+which reaches it through ``call`` after checking its arguments:
 
 * ``sdm::sparse_delta_memory(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None,
   chunk_size=64, snapshot="none", cu_seqlens=None, output_final_state=False, *,
@@ -22,29 +22,47 @@ step (``decode_step_``), the backward operators (``wy_solve_backward``,
 ``product_key_topk_backward``, ``recurrence_bwd``, ``chunk_prepare_backward``), the working
 set's bank gradient (``rows_to_bank``) and the CPU twins ``<op>_reference``.
 
-Each operator is a ``torch.library.triton_op``. The body of an internal operator launches
-Triton kernels (through the launchers of ``sdm_ops.kernels``, which use ``wrap_triton``) when
-``use_kernels`` says so (CUDA tensors), and otherwise calls ``sdm_internal::<op>_reference``,
-an opaque ``custom_op`` running the reference of ``sdm_ops.reference``. The body of
-``sdm::sparse_delta_memory`` and ``sdm::sparse_delta_memory_`` calls internal operators. Under
-``torch.compile`` the bodies are traced, the internal operators' in turn, so Inductor sees the
-user-defined Triton kernels themselves (and, on CPU, one call of each reference operator).
-Every operator has an explicit fake in ``sdm_ops.meta``; the kernel branches allocate their
-outputs with those same functions, so fake and real layouts cannot drift apart. The
-differentiable public operators register their backward, which calls internal operators. The
-public operators take inputs of any dense layout (they make them contiguous) and every
-operator returns contiguous outputs; none validates arguments beyond what the kernels need.
+Each operator is a ``torch.library.triton_op`` whose body is a function of this module, named
+``_<op>``. The body of an internal operator launches Triton kernels (through the launchers of
+``sdm_ops.kernels``, which use ``wrap_triton``) when ``use_kernels`` says so (CUDA tensors),
+and otherwise calls ``sdm_internal::<op>_reference``, an opaque ``custom_op`` running the
+reference of ``sdm_ops.reference``. Every operator has an explicit fake in ``sdm_ops.meta``;
+the kernel branches allocate their outputs with those same functions, so fake and real
+layouts cannot drift apart. The public operators take inputs of any dense layout (they make
+them contiguous) and every operator returns contiguous outputs; none validates arguments
+beyond what the kernels need.
+
+A dispatch costs the host about as much time as a small body, so an eager call dispatches no
+custom operator where the dispatcher has nothing else to do:
+
+* the bodies of ``sdm::sparse_delta_memory`` and ``sdm::sparse_delta_memory_`` call the
+  internal operators' bodies, not the operators, and the registered backwards do the same when
+  eager (``_in_backward``; while traced or under ``create_graph`` they call the operators);
+* the public functions reach their operator through ``call``: eagerly, on plain tensors that
+  launch kernels and outside tracing and modes, it runs the body itself, through an
+  autograd.Function of the operator's registered setup and backward where an input requires
+  grad; otherwise (``torch.compile``, ``torch.export``, ``opcheck``, a dispatch mode, the CPU
+  reference) it calls the operator.
+
+A traced call sees the same kernels either way: under ``torch.compile`` a triton_op's body is
+traced, so Inductor sees the user-defined Triton kernels themselves (and, on CPU, one call of
+each reference operator). The internal operators stay registered on their own, each with its
+opcheck.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch._library.triton import set_wrap_triton_enabled
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import layout, reference, working_set
 from .kernels._common import on_device, sm_count, use_kernels
@@ -74,6 +92,111 @@ def _traced(t: Tensor) -> bool:
     return torch.compiler.is_compiling() or isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+def _in_backward(op, body, t: Tensor):
+    """What a registered backward calls for the internal operator ``op`` (on tensors like
+    ``t``): eagerly, its body ``body`` with the kernels launched directly, as the operator's
+    own eager call launches them, since each dispatch is host time that every backward pays;
+    the operator itself while traced, under a dispatch mode (which should see it) or with grad
+    mode on (``create_graph``: the operator, which has no autograd, refuses a double backward
+    where the body would drop a term)."""
+    if torch.is_grad_enabled() or _traced(t) or _get_current_dispatch_mode() is not None:
+        return op
+
+    def run(*args, **kwargs):
+        with set_wrap_triton_enabled(False):
+            return body(*args, **kwargs)
+
+    return run
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _eager_plain(tensors: list[Tensor]) -> bool:
+    """Whether an eager call of a public operator on ``tensors`` leaves the dispatcher nothing
+    to do but call the body and record autograd: plain tensors that launch kernels
+    (``use_kernels``), outside tracing, dispatch modes, torch function modes and functorch
+    transforms."""
+    if (
+        torch.compiler.is_compiling()
+        or _get_current_dispatch_mode() is not None
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
+        return False
+    for t in tensors:
+        if type(t) not in _PLAIN:
+            return False
+    return use_kernels(tensors[0])
+
+
+def call(op, *args, **kwargs):
+    """``op(*args, **kwargs)`` for a public function, which passes the operator's arguments
+    positionally and its keyword-only ones by keyword. Eagerly, where the dispatcher would
+    only call the body and record autograd (``_eager_plain``), the body itself, with its
+    kernels launched directly as the operator's own eager call launches them, and where an
+    input requires grad, through an autograd.Function made of the operator's registered
+    setup and backward (``_autograd``): each dispatch costs the host about as much time as a
+    small body, and the same kernels run on the same tensors. An argument the operator
+    mutates gets its version bumped, as the dispatcher bumps it, and under the profiler the
+    call is a range named after the operator. Otherwise (traced, a mode, the CPU reference)
+    the operator."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    if not _eager_plain(tensors):
+        return op(*args, **kwargs)
+    direct = _DIRECT[op]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if direct.autograd is None:
+            return op(*args, **kwargs)
+        run = lambda: direct.autograd(*args, *kwargs.values())
+    else:
+        run = lambda: direct.body(*args, **kwargs)
+    with set_wrap_triton_enabled(False):
+        if torch._C._autograd._profiler_enabled():
+            with torch.profiler.record_function(direct.name):
+                out = run()
+        else:
+            out = run()
+    for i in direct.mutated:
+        torch.autograd.graph.increment_version(args[i])
+    return out
+
+
+def _autograd(body, setup, backward, kw_only: tuple[str, ...] = (), listed: int | None = None):
+    """A function running an operator's ``body`` under autograd with its registered ``setup``
+    and ``backward`` (an autograd.Function): what the operator's autograd runs, without the
+    dispatches around it. It takes the operator's arguments positionally, the keyword-only
+    ones (``kw_only``) last, and returns what the operator returns. An autograd.Function
+    returns tensors only, so an operator whose outputs end in a list after ``listed`` tensors
+    has that list flattened in between; the list's tensors get no gradient."""
+    k = len(kw_only)
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            inputs, kw = (args[:-k], dict(zip(kw_only, args[-k:]))) if k else (args, {})
+            output = body(*inputs, **kw)
+            if k:
+                setup(ctx, inputs, kw, output)
+            else:
+                setup(ctx, inputs, output)
+            ctx.arguments = len(args)
+            return tuple(output) if listed is None else (*output[:listed], *output[listed])
+
+        @staticmethod
+        def backward(ctx, *grads):
+            if listed is not None:
+                grads = (*grads[:listed], None)
+            got = tuple(backward(ctx, *grads))
+            return (got + (None,) * ctx.arguments)[: ctx.arguments]
+
+    def apply(*args):
+        output = Function.apply(*args)
+        return output if listed is None else (*output[:listed], list(output[listed:]))
+
+    return apply
+
+
 def _no_double_backward(name: str) -> None:
     if torch.is_grad_enabled():
         raise RuntimeError(
@@ -96,8 +219,7 @@ def _wy_solve_cpu(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
 _wy_solve_reference = _reference_op("wy_solve", _wy_solve_cpu, wy_solve_meta.wy_solve_fake, ())
 
 
-@triton_op("sdm::wy_solve", mutates_args=())
-def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
+def _wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
     """X = (I + tril(beta A, -1))^-1, QX = tril(QK) X; A, QK [N, C, C], beta [N, C], float32."""
     A, beta, QK = A.contiguous(), beta.contiguous(), QK.contiguous()
     if use_kernels(A):
@@ -108,6 +230,9 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
             k.wy_solve_fwd(A, beta, QK, X, QX)
         return X, QX
     return _wy_solve_reference(A, beta, QK)
+
+
+wy_solve = triton_op("sdm::wy_solve", mutates_args=())(_wy_solve)
 
 
 def _wy_solve_backward_cpu(
@@ -123,8 +248,7 @@ _wy_solve_backward_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::wy_solve_backward", mutates_args=())
-def wy_solve_backward(
+def _wy_solve_backward(
     A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor, dQX: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dA, dbeta, dQK) of ``wy_solve`` (strict lower, [N, C], lower triangle)."""
@@ -138,6 +262,11 @@ def wy_solve_backward(
     return _wy_solve_backward_reference(A, beta, QK, X, dX, dQX)
 
 
+wy_solve_backward = triton_op("sdm_internal::wy_solve_backward", mutates_args=())(
+    _wy_solve_backward
+)
+
+
 def _wy_solve_setup(ctx, inputs, output):
     A, beta, QK = inputs
     ctx.save_for_backward(A, beta, QK, output[0])
@@ -147,7 +276,8 @@ def _wy_solve_grad(ctx, dX, dQX):
     A, beta, QK, X = ctx.saved_tensors
     dX = torch.zeros_like(X) if dX is None else dX.contiguous()
     dQX = torch.zeros_like(X) if dQX is None else dQX.contiguous()
-    return tuple(wy_solve_backward(A.contiguous(), beta.contiguous(), QK.contiguous(), X, dX, dQX))
+    solve_backward = _in_backward(wy_solve_backward, _wy_solve_backward, X)
+    return tuple(solve_backward(A.contiguous(), beta.contiguous(), QK.contiguous(), X, dX, dQX))
 
 
 wy_solve.register_fake(wy_solve_meta.wy_solve_fake)
@@ -170,8 +300,7 @@ _product_key_topk_reference = _reference_op(
 )
 
 
-@triton_op("sdm::product_key_topk", mutates_args=())
-def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, Tensor]:
+def _product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, Tensor]:
     """Exact top-k over product keys: raw [..., sum(factors)] -> (val, lin) [..., kk]."""
     raw = raw.contiguous()
     kk = min(k, math.prod(factors))
@@ -187,6 +316,9 @@ def product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, T
             )
         return val, lin
     return _product_key_topk_reference(raw, factors, k)
+
+
+product_key_topk = triton_op("sdm::product_key_topk", mutates_args=())(_product_key_topk)
 
 
 def _product_key_topk_backward_cpu(
@@ -205,8 +337,7 @@ _product_key_topk_backward_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::product_key_topk_backward", mutates_args=())
-def product_key_topk_backward(
+def _product_key_topk_backward(
     lin: Tensor, grad_val: Tensor, factors: list[int], dtype: torch.dtype
 ) -> Tensor:
     """grad_raw [..., sum(factors)] of ``product_key_topk``, in ``dtype``."""
@@ -224,6 +355,11 @@ def product_key_topk_backward(
     return _product_key_topk_backward_reference(lin, grad_val, factors, dtype)
 
 
+product_key_topk_backward = triton_op("sdm_internal::product_key_topk_backward", mutates_args=())(
+    _product_key_topk_backward
+)
+
+
 def _topk_setup(ctx, inputs, output):
     raw, factors, _ = inputs
     ctx.save_for_backward(output[1])
@@ -235,7 +371,8 @@ def _topk_grad(ctx, grad_val, _grad_lin):
     (lin,) = ctx.saved_tensors
     if grad_val is None:
         grad_val = torch.zeros(lin.shape, dtype=ctx.dtype, device=lin.device)
-    grad = product_key_topk_backward(lin, grad_val.contiguous(), ctx.factors, ctx.dtype)
+    backward = _in_backward(product_key_topk_backward, _product_key_topk_backward, lin)
+    grad = backward(lin, grad_val.contiguous(), ctx.factors, ctx.dtype)
     return grad, None, None
 
 
@@ -324,9 +461,9 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     """Phase 1 and the WY solve: (chunk_prepare's outputs, X, QX as [lead, H, N, C, C],
     (chunks, seq_chunks)); the chunk tables are None without ``cu_seqlens``."""
     chunks, seq_chunks = (
-        (None, None) if cu_seqlens is None else varlen_chunks(cu_seqlens, v.shape[1], C)
+        (None, None) if cu_seqlens is None else _varlen_chunks(cu_seqlens, v.shape[1], C)
     )
-    prep = chunk_prepare(
+    prep = _chunk_prepare(
         write_idx,
         write_w,
         read_idx,
@@ -338,7 +475,7 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
         seq_chunks=seq_chunks,
     )
     A, QK = prep[0], prep[1]
-    X, QX = wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C))
+    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C))
     return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
 
 
@@ -366,7 +503,7 @@ def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.c
         or banks * bank.shape[-3:].numel() * bank.element_size()
         > _COPY_BESIDE_BYTES * max(chunks, 1)
     ):
-        return bank_copy(bank, banks), None
+        return _bank_copy(bank, banks), None
     dev = bank.device
     side = _side_streams.get(dev.index)
     if side is None:
@@ -375,13 +512,12 @@ def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.c
     programs = max(1, sm_count(dev) // (_COPY_SM_SHARE * banks))
     side.wait_stream(here)
     with torch.cuda.stream(side):
-        bank_out = bank_copy(bank, banks, programs)
+        bank_out = _bank_copy(bank, banks, programs)
     bank_out.record_stream(here)  # allocated on side, used and freed on here
     return bank_out, side
 
 
-@triton_op("sdm::sparse_delta_memory", mutates_args=())
-def sparse_delta_memory(
+def _sparse_delta_memory(
     v: Tensor,
     beta: Tensor,
     write_idx: Tensor,
@@ -420,7 +556,7 @@ def sparse_delta_memory(
     if in_place:
         if side is not None:
             torch.cuda.current_stream(bank.device).wait_stream(side)
-        out = recurrence_fwd_(
+        out = _recurrence_fwd_(
             bank_out,
             v,
             beta,
@@ -441,7 +577,7 @@ def sparse_delta_memory(
     rows = (
         None if output_final_state else working_set.working_rows(write_idx, read_idx, S, cu_seqlens)
     )
-    out, bank_out, *saved = recurrence_fwd(
+    out, bank_out, *saved = _recurrence_fwd(
         v,
         beta,
         write_idx if rows is None else rows.write_rows,
@@ -470,6 +606,9 @@ def sparse_delta_memory(
     if rows is not None:
         kept += list(rows)
     return out, bank_out if output_final_state else bank.new_empty(0), kept
+
+
+sparse_delta_memory = triton_op("sdm::sparse_delta_memory", mutates_args=())(_sparse_delta_memory)
 
 
 def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
@@ -537,7 +676,12 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
-    dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = recurrence_bwd(
+    # The internal operators' bodies, eagerly (``_in_backward``).
+    phase2_backward = _in_backward(recurrence_bwd, _recurrence_bwd, beta)
+    solve_backward = _in_backward(wy_solve_backward, _wy_solve_backward, beta)
+    phase1_backward = _in_backward(chunk_prepare_backward, _chunk_prepare_backward, beta)
+    to_bank = _in_backward(rows_to_bank, _rows_to_bank, beta)
+    dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = phase2_backward(
         beta,
         write_idx if rows is None else rows.write_rows,
         read_idx if rows is None else rows.read_rows,
@@ -564,13 +708,13 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     bank_dim, bank_dtype = ctx.bank_meta
     if rows is not None:
         if needs[6]:
-            dbank = rows_to_bank(dbank, rows.row_slots, ctx.bank_rows, bank_dim == 3)
+            dbank = to_bank(dbank, rows.row_slots, ctx.bank_rows, bank_dim == 3)
     elif bank_dim == 3:
         dbank = dbank.sum(0)
     dww = drw = ddc = None
     if needs[1] or needs[3] or needs[5] or needs[7]:
         C = ctx.chunk_size
-        dA, dbetas, dQK = wy_solve_backward(
+        dA, dbetas, dQK = solve_backward(
             A.view(-1, C, C),
             _chunk_betas(beta, C, chunks),
             QK.view(-1, C, C),
@@ -585,7 +729,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
             dbeta = dbeta + through_chunks.to(dbeta.dtype)
         if needs[3] or needs[5] or needs[7]:
             wd = recurrence_meta.weight_dtype(write_w, read_w, decay)
-            dww, drw, ddc = chunk_prepare_backward(
+            dww, drw, ddc = phase1_backward(
                 write_idx,
                 write_w,
                 read_idx,
@@ -630,8 +774,7 @@ def _inplace_chunk_size(T, chunk_size: int):
     return C
 
 
-@triton_op("sdm::sparse_delta_memory_", mutates_args=("bank",))
-def sparse_delta_memory_(
+def _sparse_delta_memory_(
     v: Tensor,
     beta: Tensor,
     write_idx: Tensor,
@@ -673,7 +816,7 @@ def sparse_delta_memory_(
             cu_seqlens,
         )
         _, _, gather_w, gather_r, scatter_w, row_decay, rank, _ = prep
-        out = recurrence_fwd_(
+        out = _recurrence_fwd_(
             state,
             v,
             beta,
@@ -692,6 +835,11 @@ def sparse_delta_memory_(
     if state is not bank:  # a bank of another dense layout: updated through a copy
         bank.copy_(state)
     return out
+
+
+sparse_delta_memory_ = triton_op("sdm::sparse_delta_memory_", mutates_args=("bank",))(
+    _sparse_delta_memory_
+)
 
 
 sparse_delta_memory_.register_fake(recurrence_meta.sparse_delta_memory_inplace_fake)
@@ -713,8 +861,7 @@ _varlen_chunks_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::varlen_chunks", mutates_args=())
-def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+def _varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
     """The chunk tables of a packed batch, (chunks [NC, 2], seq_chunks [N + 1]) int64, which
     every operator of the recurrence takes; see ``reference.varlen_chunks`` (any offsets give
     tables inside the batch, so compiled code needs no check of ``cu_seqlens``)."""
@@ -726,6 +873,9 @@ def varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, 
             k.varlen_chunks(cu_seqlens, T, chunk_size, chunks, seq_chunks)
         return chunks, seq_chunks
     return _varlen_chunks_reference(cu_seqlens, T, chunk_size)
+
+
+varlen_chunks = triton_op("sdm_internal::varlen_chunks", mutates_args=())(_varlen_chunks)
 
 
 varlen_chunks.register_fake(recurrence_meta.varlen_chunks_fake)
@@ -759,8 +909,7 @@ _chunk_prepare_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::chunk_prepare", mutates_args=())
-def chunk_prepare(
+def _chunk_prepare(
     write_idx: Tensor,
     write_w: Tensor,
     read_idx: Tensor,
@@ -791,6 +940,9 @@ def chunk_prepare(
     )
 
 
+chunk_prepare = triton_op("sdm_internal::chunk_prepare", mutates_args=())(_chunk_prepare)
+
+
 # ---------------------------------------------------------------------------
 # sdm_internal::bank_copy
 # ---------------------------------------------------------------------------
@@ -804,8 +956,7 @@ def _bank_copy_cpu(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
 _bank_copy_reference = _reference_op("bank_copy", _bank_copy_cpu, recurrence_meta.bank_copy_fake)
 
 
-@triton_op("sdm_internal::bank_copy", mutates_args=())
-def bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
+def _bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
     """The per-stream copy [banks, H, S, D] (contiguous) of an initial bank, [banks, H, S, D]
     or shared [H, S, D]: the state phase 2 updates in place and returns. A kernel rather than
     a memcpy (see ``kernels/bank_copy.py``); not differentiable (the inference forward's).
@@ -819,6 +970,9 @@ def bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
             k.bank_copy(bank, bank_out, programs)
         return bank_out
     return _bank_copy_reference(bank, banks, programs)
+
+
+bank_copy = triton_op("sdm_internal::bank_copy", mutates_args=())(_bank_copy)
 
 
 bank_copy.register_fake(recurrence_meta.bank_copy_fake)
@@ -878,8 +1032,7 @@ _recurrence_fwd_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::recurrence_fwd", mutates_args=())
-def recurrence_fwd(
+def _recurrence_fwd(
     v: Tensor,
     beta: Tensor,
     write_idx: Tensor,
@@ -978,6 +1131,9 @@ def recurrence_fwd(
     return _recurrence_fwd_reference(*args)
 
 
+recurrence_fwd = triton_op("sdm_internal::recurrence_fwd", mutates_args=())(_recurrence_fwd)
+
+
 def _recurrence_fwd_inplace_cpu(
     bank: Tensor,
     v: Tensor,
@@ -1016,8 +1172,7 @@ _recurrence_fwd_inplace_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::recurrence_fwd_", mutates_args=("bank",))
-def recurrence_fwd_(
+def _recurrence_fwd_(
     bank: Tensor,
     v: Tensor,
     beta: Tensor,
@@ -1079,6 +1234,11 @@ def recurrence_fwd_(
         chunks,
         seq_chunks,
     )
+
+
+recurrence_fwd_ = triton_op("sdm_internal::recurrence_fwd_", mutates_args=("bank",))(
+    _recurrence_fwd_
+)
 
 
 def _decode_step_cpu(
@@ -1214,8 +1374,7 @@ _recurrence_bwd_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::recurrence_bwd", mutates_args=())
-def recurrence_bwd(
+def _recurrence_bwd(
     beta: Tensor,
     write_idx: Tensor,
     read_idx: Tensor,
@@ -1307,6 +1466,9 @@ def recurrence_bwd(
     return _recurrence_bwd_reference(*args)
 
 
+recurrence_bwd = triton_op("sdm_internal::recurrence_bwd", mutates_args=())(_recurrence_bwd)
+
+
 recurrence_bwd.register_fake(recurrence_meta.recurrence_bwd_fake)
 
 
@@ -1321,8 +1483,7 @@ _rows_to_bank_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::rows_to_bank", mutates_args=())
-def rows_to_bank(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: bool) -> Tensor:
+def _rows_to_bank(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: bool) -> Tensor:
     """The bank's gradient from the working set's: ``grad_rows [banks, H, U, D]`` (its rows'
     slots ``row_slots [banks * H, U]``) placed at their slots of a zeroed ``[banks, H, S, D]``
     (S = ``bank_rows``), or with ``shared`` summed over the banks, in order, into
@@ -1336,6 +1497,9 @@ def rows_to_bank(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: b
             k.rows_to_bank(grad_rows, row_slots, dst)
         return dst
     return _rows_to_bank_reference(grad_rows, row_slots, bank_rows, shared)
+
+
+rows_to_bank = triton_op("sdm_internal::rows_to_bank", mutates_args=())(_rows_to_bank)
 
 
 rows_to_bank.register_fake(recurrence_meta.rows_to_bank_fake)
@@ -1388,8 +1552,7 @@ _chunk_prepare_backward_reference = _reference_op(
 )
 
 
-@triton_op("sdm_internal::chunk_prepare_backward", mutates_args=())
-def chunk_prepare_backward(
+def _chunk_prepare_backward(
     write_idx: Tensor,
     write_w: Tensor,
     read_idx: Tensor,
@@ -1464,4 +1627,46 @@ def chunk_prepare_backward(
     )
 
 
+chunk_prepare_backward = triton_op("sdm_internal::chunk_prepare_backward", mutates_args=())(
+    _chunk_prepare_backward
+)
+
+
 chunk_prepare_backward.register_fake(recurrence_meta.chunk_prepare_backward_fake)
+
+
+class _Direct(NamedTuple):
+    """What ``call`` runs for a public operator: its body (and ``autograd`` where an input
+    requires grad; None for an operator without autograd), its name for the profiler and the
+    positions of the arguments it mutates."""
+
+    name: str
+    body: Callable
+    autograd: Callable | None
+    mutated: tuple[int, ...] = ()
+
+
+_DIRECT = {
+    product_key_topk: _Direct(
+        "sdm::product_key_topk",
+        _product_key_topk,
+        _autograd(_product_key_topk, _topk_setup, _topk_grad),
+    ),
+    wy_solve: _Direct(
+        "sdm::wy_solve", _wy_solve, _autograd(_wy_solve, _wy_solve_setup, _wy_solve_grad)
+    ),
+    sparse_delta_memory: _Direct(
+        "sdm::sparse_delta_memory",
+        _sparse_delta_memory,
+        _autograd(
+            _sparse_delta_memory,
+            _sparse_delta_memory_setup,
+            _sparse_delta_memory_grad,
+            kw_only=("keep_for_backward",),
+            listed=2,
+        ),
+    ),
+    sparse_delta_memory_: _Direct(
+        "sdm::sparse_delta_memory_", _sparse_delta_memory_, None, mutated=(6,)
+    ),
+}

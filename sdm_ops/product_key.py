@@ -76,7 +76,7 @@ def product_key_topk(raw: Tensor, factors: Sequence[int], k: int) -> TopK:
             f"raw must have sum(factors) = {sum(dims)} columns in its last "
             f"dimension, got shape {list(raw.shape)}"
         )
-    val, lin = ops.product_key_topk(raw, list(dims), k)
+    val, lin = ops.call(ops.product_key_topk, raw, list(dims), k)
     return TopK(val, lin)
 
 

@@ -2,7 +2,9 @@
 
 Each checks its arguments and calls its operator once, ``sdm::sparse_delta_memory`` or
 ``sdm::sparse_delta_memory_`` (``sdm_ops.ops``: phase 1, the WY solve and phase 2 with no host
-synchronization), so they compile with ``fullgraph=True`` and capture in CUDA graphs. The
+synchronization), so they compile with ``fullgraph=True`` and capture in CUDA graphs; an eager
+call with nothing for the dispatcher to do (no autograd, no tracing or mode) runs the
+operator's body without the dispatch (``ops.call``). The
 checks that read data (index ranges, cu_seqlens' values) run eagerly on the CPU and, in strict
 mode (``_checks.set_strict_checks``), on a GPU, where they wait for their own results (an
 event), not for the stream (``_DataChecks``); otherwise a GPU call reads no data and never
@@ -385,7 +387,8 @@ def sparse_delta_memory(
     # Without autograd nothing is kept for a backward: no snapshot, and phase 2 runs in place
     # on a copy of the bank (what inference and evaluation pay).
     keep = _needs_grad(v, beta, write_w, read_w, bank, decay)
-    out, bank_out, _ = ops.sparse_delta_memory(
+    out, bank_out, _ = ops.call(
+        ops.sparse_delta_memory,
         v,
         beta,
         write_idx,
@@ -394,10 +397,10 @@ def sparse_delta_memory(
         read_w,
         bank,
         decay,
-        chunk_size=chunk_size,
-        snapshot=snapshot,
-        cu_seqlens=cu_seqlens,
-        output_final_state=output_final_state,
+        chunk_size,
+        snapshot,
+        cu_seqlens,
+        output_final_state,
         keep_for_backward=keep,
     )
     _finish(checks)
@@ -459,7 +462,8 @@ def sparse_delta_memory_(
     _, cu_seqlens = _data_checks(
         write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1], defer=False
     )
-    return ops.sparse_delta_memory_(
+    return ops.call(
+        ops.sparse_delta_memory_,
         v,
         beta,
         write_idx,
@@ -468,6 +472,6 @@ def sparse_delta_memory_(
         read_w,
         bank,
         decay,
-        chunk_size=chunk_size,
-        cu_seqlens=cu_seqlens,
+        chunk_size,
+        cu_seqlens,
     )

@@ -45,5 +45,5 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> WYSolution:
     check_shape("beta", beta, (n, c), "[N, C]")
     check_shape("QK", QK, (n, c, c), "[N, C, C]")
     check_same_device({"A": A, "beta": beta, "QK": QK})
-    X, QX = ops.wy_solve(A, beta, QK)
+    X, QX = ops.call(ops.wy_solve, A, beta, QK)
     return WYSolution(X, QX)
