@@ -228,3 +228,50 @@ def test_an_in_place_call_on_an_inference_bank():
     want_out = sdm_ops.sparse_delta_memory_(**{k: x.cpu() for k, x in a.items()}, bank=want)
     assert_close(out, want_out, rtol=1e-5, name="out")
     assert_close(bank, want, rtol=1e-5, name="bank")
+
+
+def _layer_grads(layer, x, wrap):
+    """The layer's output and the gradients of its parameters and of x for a fixed loss, with
+    the forward run through ``wrap``."""
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    with on_kernels():
+        y = wrap(lambda: layer(x))
+        g = torch.Generator().manual_seed(3)
+        (y * torch.randn(y.shape, generator=g).to(y.device)).sum().backward()
+    return [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+def _checkpointed(fn):
+    return torch.utils.checkpoint.checkpoint(fn, use_reentrant=False)
+
+
+def _saved_on_cpu(fn):
+    with torch.autograd.graph.save_on_cpu():
+        return fn()
+
+
+def _anomaly(fn):
+    with torch.autograd.detect_anomaly(check_nan=False):
+        return fn()
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+@pytest.mark.parametrize(
+    "wrap", [_checkpointed, _saved_on_cpu, _anomaly], ids=["checkpoint", "save_on_cpu", "anomaly"]
+)
+def test_the_layer_under_autograd_tools_gives_the_same_gradients(wrap):
+    """Activation checkpointing (the forward recomputed in the backward), saved-tensor hooks and
+    anomaly mode work with the operators' autograd run without the dispatcher."""
+    from sdm_ops.nn import SparseDeltaMemory
+
+    torch.manual_seed(0)
+    layer = SparseDeltaMemory(32, 2, 16, (4, 4), 3, 2, chunk_size=16).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        layer.bank.normal_()
+    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    want = _layer_grads(layer, x, lambda fn: fn())
+    got = _layer_grads(layer, x, wrap)
+    assert len(got) == len(want) > 3
+    for g, w in zip(got, want):
+        assert g is not None and torch.equal(g, w)
