@@ -115,10 +115,11 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 def _eager_plain(tensors: list[Tensor]) -> bool:
     """Whether an eager call of a public operator on ``tensors`` leaves the dispatcher nothing
     to do but call the body and record autograd: plain tensors that launch kernels
-    (``use_kernels``), outside tracing, dispatch modes, torch function modes and functorch
-    transforms."""
+    (``use_kernels``), outside tracing (``torch.compile``, ``torch.export``,
+    ``torch.jit.trace``), dispatch modes, torch function modes and functorch transforms."""
     if (
         torch.compiler.is_compiling()
+        or torch._C._is_tracing()
         or _get_current_dispatch_mode() is not None
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None

@@ -275,3 +275,15 @@ def test_the_layer_under_autograd_tools_gives_the_same_gradients(wrap):
     assert len(got) == len(want) > 3
     for g, w in zip(got, want):
         assert g is not None and torch.equal(g, w)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.trace, deprecated
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_torch_jit_trace_still_records_the_operator():
+    """The tracer records operators it sees dispatched: a traced call must not bypass them."""
+    raw = make_raw((3, 5), (8, 6), seed=12, device=KERNEL_DEVICE)
+    fn = lambda r: sdm_ops.product_key_topk(r, (8, 6), 4).val
+    with on_kernels():
+        traced = torch.jit.trace(fn, (raw,))
+        assert "sdm::product_key_topk" in str(traced.graph)
+        assert torch.equal(traced(raw), fn(raw))
