@@ -12,8 +12,10 @@
 #
 # fast and slow split `all` into two runs where each must fit a time limit. The markers are
 # registered in pyproject.toml; tests/helpers.py's requires_cuda and requires_multi_gpu apply
-# them. Wheels in .whl/ (packages the machine lacks, e.g. expecttest) are installed into
-# /tmp/site first; Triton's cache goes to TRITON_CACHE_DIR (default /tmp/sdm_triton_cache).
+# them. Wheels in .whl/ (packages the machine lacks: expecttest for the opcheck tests, fla-core
+# and its einops for the peer comparisons) are installed into /tmp/site first; make them where
+# PyPI is reachable with `pip download --no-deps -d .whl expecttest fla-core einops` (.whl/ is
+# ignored by git). Triton's cache goes to TRITON_CACHE_DIR (default /tmp/sdm_triton_cache).
 # WORKERS: pytest-xdist workers (default: the CPU count; multi_gpu: 0). PYTEST_TIMEOUT:
 # seconds before the run is interrupted (default: none); pytest then still prints the
 # failures so far. TESTS: the paths to collect (default "tests compile_tests"), to split a
