@@ -92,14 +92,20 @@ def _traced(t: Tensor) -> bool:
     return torch.compiler.is_compiling() or isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-def _in_backward(op, body, t: Tensor):
-    """What a registered backward calls for the internal operator ``op`` (on tensors like
-    ``t``): eagerly, its body ``body`` with the kernels launched directly, as the operator's
-    own eager call launches them, since each dispatch is host time that every backward pays;
-    the operator itself while traced, under a dispatch mode (which should see it) or with grad
-    mode on (``create_graph``: the operator, which has no autograd, refuses a double backward
-    where the body would drop a term)."""
-    if torch.is_grad_enabled() or _traced(t) or _get_current_dispatch_mode() is not None:
+def _eager_backward(t: Tensor) -> bool:
+    """Whether a registered backward (on tensors like ``t``) runs the internal operators'
+    bodies (``_in_backward``): eagerly, but not while traced, under a dispatch mode (which
+    should see the operators) or with grad mode on (``create_graph``: an operator, which has
+    no autograd, refuses a double backward where its body would drop a term)."""
+    return not (torch.is_grad_enabled() or _traced(t) or _get_current_dispatch_mode() is not None)
+
+
+def _in_backward(op, body, eager: bool):
+    """What a registered backward calls for the internal operator ``op``: with ``eager``
+    (``_eager_backward``) its body ``body`` with the kernels launched directly, as the
+    operator's own eager call launches them, since each dispatch is host time that every
+    backward pays; otherwise the operator itself."""
+    if not eager:
         return op
 
     def run(*args, **kwargs):
@@ -277,7 +283,7 @@ def _wy_solve_grad(ctx, dX, dQX):
     A, beta, QK, X = ctx.saved_tensors
     dX = torch.zeros_like(X) if dX is None else dX.contiguous()
     dQX = torch.zeros_like(X) if dQX is None else dQX.contiguous()
-    solve_backward = _in_backward(wy_solve_backward, _wy_solve_backward, X)
+    solve_backward = _in_backward(wy_solve_backward, _wy_solve_backward, _eager_backward(X))
     return tuple(solve_backward(A.contiguous(), beta.contiguous(), QK.contiguous(), X, dX, dQX))
 
 
@@ -372,7 +378,9 @@ def _topk_grad(ctx, grad_val, _grad_lin):
     (lin,) = ctx.saved_tensors
     if grad_val is None:
         grad_val = torch.zeros(lin.shape, dtype=ctx.dtype, device=lin.device)
-    backward = _in_backward(product_key_topk_backward, _product_key_topk_backward, lin)
+    backward = _in_backward(
+        product_key_topk_backward, _product_key_topk_backward, _eager_backward(lin)
+    )
     grad = backward(lin, grad_val.contiguous(), ctx.factors, ctx.dtype)
     return grad, None, None
 
@@ -678,10 +686,11 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
     # The internal operators' bodies, eagerly (``_in_backward``).
-    phase2_backward = _in_backward(recurrence_bwd, _recurrence_bwd, beta)
-    solve_backward = _in_backward(wy_solve_backward, _wy_solve_backward, beta)
-    phase1_backward = _in_backward(chunk_prepare_backward, _chunk_prepare_backward, beta)
-    to_bank = _in_backward(rows_to_bank, _rows_to_bank, beta)
+    eager = _eager_backward(beta)
+    phase2_backward = _in_backward(recurrence_bwd, _recurrence_bwd, eager)
+    solve_backward = _in_backward(wy_solve_backward, _wy_solve_backward, eager)
+    phase1_backward = _in_backward(chunk_prepare_backward, _chunk_prepare_backward, eager)
+    to_bank = _in_backward(rows_to_bank, _rows_to_bank, eager)
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = phase2_backward(
         beta,
         write_idx if rows is None else rows.write_rows,
