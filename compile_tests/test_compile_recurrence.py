@@ -180,7 +180,7 @@ def test_inference_forward_eager_and_replayed_equals_the_in_place_call_on_a_copy
     # bank overwritten right after the call (the copy read it before), and replayed from a
     # CUDA graph on new inputs (the fork and the join captured). The bank is large enough
     # (64 MiB) for the copy to outlast phase 1 at this T.
-    from sdm_ops import ops
+    from sdm_ops.ops import recurrence as ops
 
     monkeypatch.setattr(ops, "_COPY_BESIDE_BYTES", 2**40 if beside else 0)
     sides = []

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from . import ops
 from ._checks import check_int, check_tensor
+from .ops import eager
 
 MAX_FACTORS = 4
 MAX_K = 256
@@ -76,7 +77,7 @@ def product_key_topk(raw: Tensor, factors: Sequence[int], k: int) -> TopK:
             f"raw must have sum(factors) = {sum(dims)} columns in its last "
             f"dimension, got shape {list(raw.shape)}"
         )
-    val, lin = ops.call(ops.product_key_topk, raw, list(dims), k)
+    val, lin = eager.call(ops.product_key_topk_route, raw, list(dims), k)
     return TopK(val, lin)
 
 

@@ -4,7 +4,7 @@ Each checks its arguments and calls its operator once, ``sdm::sparse_delta_memor
 ``sdm::sparse_delta_memory_`` (``sdm_ops.ops``: phase 1, the WY solve and phase 2 with no host
 synchronization), so they compile with ``fullgraph=True`` and capture in CUDA graphs; an eager
 call with nothing for the dispatcher to do (no autograd, no tracing or mode) runs the
-operator's body without the dispatch (``ops.call``). The
+operator's body without the dispatch (``ops.eager.call``). The
 checks that read data (index ranges, cu_seqlens' values) run eagerly on the CPU and, in strict
 mode (``_checks.set_strict_checks``), on a GPU, where they wait for their own results (an
 event), not for the stream (``_DataChecks``); otherwise a GPU call reads no data and never
@@ -31,6 +31,7 @@ from ._checks import (
     data_checks_wanted,
 )
 from .layout import SNAPSHOT_MODES
+from .ops import eager
 
 CHUNK_SIZES = (16, 32, 64, 128)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -387,8 +388,8 @@ def sparse_delta_memory(
     # Without autograd nothing is kept for a backward: no snapshot, and phase 2 runs in place
     # on a copy of the bank (what inference and evaluation pay).
     keep = _needs_grad(v, beta, write_w, read_w, bank, decay)
-    out, bank_out, _ = ops.call(
-        ops.sparse_delta_memory,
+    out, bank_out, _ = eager.call(
+        ops.sparse_delta_memory_route,
         v,
         beta,
         write_idx,
@@ -462,8 +463,8 @@ def sparse_delta_memory_(
     _, cu_seqlens = _data_checks(
         write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1], defer=False
     )
-    return ops.call(
-        ops.sparse_delta_memory_,
+    return eager.call(
+        ops.sparse_delta_memory_inplace_route,
         v,
         beta,
         write_idx,

@@ -1,6 +1,6 @@
-"""Eager calls dispatch no custom operator (``ops.call``): the public functions run their
+"""Eager calls dispatch no custom operator (``ops.eager.call``): the public functions run their
 operator's body, under autograd through an autograd.Function of the operator's own setup and
-backward, and the bodies and backwards run the internal operators' bodies (``ops._in_backward``),
+backward, and the bodies and backwards run the internal operators' bodies (``eager.in_backward``),
 since each dispatch is host time that every eager call pays. Checked on the kernel path
 (natively on CUDA, under the interpreter on the CPU) with every dispatch refused, the profiler
 still showing one range named after the public operator, and the results and gradients
@@ -287,3 +287,82 @@ def test_torch_jit_trace_still_records_the_operator():
         traced = torch.jit.trace(fn, (raw,))
         assert "sdm::product_key_topk" in str(traced.graph)
         assert torch.equal(traced(raw), fn(raw))
+
+
+def test_this_pytorch_has_every_private_call_of_the_eager_path():
+    from sdm_ops.ops import eager
+
+    assert eager.PRIVATE is not None and eager.find_private() is not None
+
+
+@pytest.mark.parametrize(
+    "where,name",
+    [
+        (torch._C, "_is_tracing"),
+        (torch._C, "_is_torch_function_mode_enabled"),
+        (torch._C._functorch, "peek_interpreter_stack"),
+        (torch.utils._python_dispatch, "_get_current_dispatch_mode"),
+        (torch._library.triton, "set_wrap_triton_enabled"),
+        (torch._C._autograd, "_profiler_enabled"),
+    ],
+)
+def test_a_missing_private_call_turns_the_eager_path_off(monkeypatch, where, name):
+    from sdm_ops.ops import eager
+
+    monkeypatch.delattr(where, name)
+    assert eager.find_private() is None
+
+
+def _sdm_names(fn):
+    """(what ``fn`` returned, the names of the sdm operators the profiler saw)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, {e.name for e in prof.events() if e.name.startswith("sdm")}
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["working_set", "final_state"])
+@pytest.mark.parametrize("case", ["dense", "packed"])
+def test_without_the_private_calls_every_call_dispatches_with_the_same_results(
+    monkeypatch, case, final
+):
+    """Where this PyTorch lacks a private call of the eager path (``eager.PRIVATE`` None),
+    every public function and registered backward goes through the operators: the same
+    kernels, so bitwise the same outputs and gradients as the path around the dispatcher."""
+    from sdm_ops.ops import eager
+
+    if case == "packed":
+        a = make_packed_sdm_inputs([9, 0, 23, 5], seed=13, device=KERNEL_DEVICE)
+    else:
+        a = make_sdm_inputs(B=2, T=37, seed=13, device=KERNEL_DEVICE)
+    raw = make_raw((3, 5), (8, 6), seed=14, device=KERNEL_DEVICE, requires_grad=True)
+    A, beta, QK = make_wy_inputs(4, 16, seed=15, device=KERNEL_DEVICE, requires_grad=True)
+    step = {k: x[:, :1] for k, x in a.items() if k not in ("bank", "cu_seqlens")}
+
+    def run():
+        out, bank, grads = _forward_backward(a, final, seed=16)
+        with on_kernels():
+            state = a["bank"].clone() if case == "dense" else None
+            step_out = None if state is None else sdm_ops.sparse_delta_memory_(**step, bank=state)
+            val, lin = sdm_ops.product_key_topk(raw, (8, 6), k=4)
+            X, QX = sdm_ops.wy_solve(A, beta, QK)
+            (val.sum() + X.sum() + (QX * QX).sum()).backward()
+        others = [step_out, state, val, lin, X, QX] + [t.grad.clone() for t in (raw, A, beta, QK)]
+        for t in (raw, A, beta, QK):
+            t.grad = None
+        return [out, bank, *grads.values(), *others]
+
+    fast, names = _sdm_names(run)
+    assert not any(n.startswith("sdm_internal::") for n in names), names
+    monkeypatch.setattr(eager, "PRIVATE", None)
+    slow, names = _sdm_names(run)
+    assert {
+        "sdm::sparse_delta_memory",
+        "sdm::wy_solve",
+        "sdm_internal::recurrence_bwd",
+        "sdm_internal::wy_solve_backward",
+        "sdm_internal::product_key_topk_backward",
+    } <= names, names
+    assert len(fast) == len(slow)
+    for i, (got, want) in enumerate(zip(slow, fast)):
+        assert (got is None) == (want is None), i
+        assert got is None or torch.equal(got, want), i

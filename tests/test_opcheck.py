@@ -34,7 +34,7 @@ from torch.testing._internal.optests import generate_opcheck_tests
 import sdm_ops
 from sdm_ops import ops
 from sdm_ops.layout import QUANT_GROUP, Prepared
-from sdm_ops.ops import _chunk_betas
+from sdm_ops.ops.recurrence import _chunk_betas
 from sdm_ops.reference import (
     dequantize_rows,
     product_key_topk_bruteforce,
@@ -505,7 +505,7 @@ def test_the_public_namespace_holds_exactly_the_public_operators():
 # ---------------------------------------------------------------------------
 
 # The CPU branch of each internal operator (and of sdm::wy_solve and sdm::product_key_topk)
-# calls its opaque reference operator (ops._reference_op), named <op>_reference except here.
+# calls its opaque reference operator (ops._define.kernel_op), named <op>_reference except here.
 REFERENCE_TWINS = {
     "recurrence_fwd_": "recurrence_fwd_inplace_reference",
     "decode_step_": "decode_step_inplace_reference",

@@ -9,6 +9,7 @@ import torch
 import sdm_ops
 from sdm_ops import ops
 from sdm_ops.kernels import bank_copy, recurrence_fwd
+from sdm_ops.ops.recurrence import _chunk_betas
 from tests.helpers import (
     KERNEL_DEVICE,
     assert_close,
@@ -206,7 +207,7 @@ def test_kernels_mask_out_of_range_indices_as_padding():
             prep = ops.chunk_prepare(
                 x["write_idx"], x["write_w"], x["read_idx"], x["read_w"], x["decay"], S, C
             )
-            betas = ops._chunk_betas(x["beta"], C)
+            betas = _chunk_betas(x["beta"], C)
             X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
             return ops.recurrence_fwd(
                 x["v"],
@@ -241,7 +242,7 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
             a["write_idx"], a["write_w"], a["read_idx"], a["read_w"], a["decay"], S, C
         )
         X, QX = ops.wy_solve(
-            prep[0].view(-1, C, C), ops._chunk_betas(a["beta"], C), prep[1].view(-1, C, C)
+            prep[0].view(-1, C, C), _chunk_betas(a["beta"], C), prep[1].view(-1, C, C)
         )
         first = torch.zeros(4, S, dtype=torch.int32, device=KERNEL_DEVICE)
         bank_copy.first_writes(a["write_idx"], C, None, None, first)

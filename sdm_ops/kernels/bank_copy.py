@@ -13,8 +13,8 @@ The functional forward (``sdm_internal::recurrence_fwd``) copies only the rows t
 their stream writes (``first``): phase 2 reads every other row from the source bank until its
 stream first writes it, and that first write stores the whole row (``recurrence_fwd``'s ``source``),
 so the copy moves 61% of the bank at the reference workload. The inference forward copies the
-whole bank beside phase 1 instead (``ops._copy_beside``): measured, that was faster
-than the partial copy beside phase 1 followed by phase 2 from the source.
+whole bank beside phase 1 instead (``_copy_beside`` in ``ops/recurrence.py``): measured, that
+was faster than the partial copy beside phase 1 followed by phase 2 from the source.
 
 ``first`` [P, S] int32 (P = B * H streams, or N * H for a packed batch, stream p = b * H + h):
 the first chunk of stream p with a valid write entry on slot s, INT32_MAX where none writes s.

@@ -1,0 +1,451 @@
+"""The recurrence's public operators: ``sdm::sparse_delta_memory`` (functional, with its
+autograd) and ``sdm::sparse_delta_memory_`` (in place). Each body runs phase 1
+(``chunk_prepare``), the WY solve and phase 2 (``recurrence_fwd`` / ``recurrence_fwd_``), or one
+decode step (``decode_step_``), calling the internal operators' bodies (``ops/phases.py``), with
+no host synchronization. Their fakes are in ``sdm_ops/meta/recurrence.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+from .. import working_set
+from ..kernels._common import sm_count
+from ..layout import SKIP_SNAPSHOT, Prepared
+from ..meta import recurrence as meta
+from . import eager
+from .phases import (
+    _bank_copy,
+    _chunk_prepare,
+    _chunk_prepare_backward,
+    _decode_step,
+    _recurrence_bwd,
+    _recurrence_fwd,
+    _recurrence_fwd_,
+    _rows_to_bank,
+    _varlen_chunks,
+)
+from .wy_solve import _wy_solve, _wy_solve_backward
+
+
+class Phase1(NamedTuple):
+    """What phase 1 and the WY solve give phase 2 and its backward (``_phase1``):
+    ``chunk_prepare``'s outputs, X and QX (``[lead, H, N, C, C]``, as A), and a packed
+    batch's chunk tables (None otherwise)."""
+
+    prep: Prepared
+    X: Tensor
+    QX: Tensor
+    chunks: Tensor | None
+    seq_chunks: Tensor | None
+
+
+class Snapshot(NamedTuple):
+    """Phase 2's outputs that its backward reads: the snapshot rows and their scales, and the
+    residuals ``res = v - retrieved`` and updates ``delta`` (``recurrence_fwd``)."""
+
+    snap: Tensor
+    snap_scale: Tensor
+    res: Tensor
+    delta: Tensor
+
+
+# What the functional forward keeps for its backward, in the order of its ``kept`` output:
+# phase 1's outputs, the WY solve's and phase 2's saved tensors; then, for a packed batch, its
+# chunk tables (chunks, seq_chunks) and, without the final state, the working set's layout
+# (``working_set.WorkingRows``).
+KEPT_FOR_BACKWARD = (*Prepared._fields, "X", "QX", *Snapshot._fields)
+
+
+def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
+    """beta [B, T, H] -> [B * H * N, C] float32 (float64 for float64 beta), zero past T (the WY
+    solve's layout); for a packed batch [H * NC, C] over its chunk slots, zero past each chunk's
+    tokens."""
+    B, T, H = beta.shape
+    C = chunk_size
+    wd = torch.promote_types(beta.dtype, torch.float32)
+    if chunks is None:
+        N = -(-T // C)
+        x = beta.to(wd).transpose(1, 2)
+        x = torch.nn.functional.pad(x, (0, N * C - T))
+        return x.reshape(B * H * N, C)
+    NC = chunks.shape[0]
+    if T == 0:
+        return beta.new_zeros(H * NC, C, dtype=wd)
+    i = torch.arange(C, device=beta.device)
+    tok = (chunks[:, :1] + i).clamp(max=T - 1)  # [NC, C]
+    x = torch.where((i < chunks[:, 1:])[..., None], beta[0].to(wd)[tok], 0.0)
+    return x.permute(2, 0, 1).reshape(H * NC, C)
+
+
+def _chunk_betas_backward(
+    dbetas: Tensor, beta: Tensor, chunk_size: int, chunks: Tensor | None = None
+) -> Tensor | None:
+    """The gradient of ``beta`` through ``_chunk_betas``, in ``dbetas``' dtype (the caller adds
+    phase 2's share before rounding to beta's), from ``dbetas`` (its output's): what autograd
+    computes through it (the same copies; for a packed batch the same
+    accumulation, where each token receives its one value and zeros). None when beta does not
+    reach the output (an empty packed batch)."""
+    B, T, H = beta.shape
+    C = chunk_size
+    if chunks is None:
+        N = -(-T // C)
+        return dbetas.view(B, H, N * C)[..., :T].transpose(1, 2)
+    NC = chunks.shape[0]
+    if T == 0:
+        return None
+    i = torch.arange(C, device=beta.device)
+    tok = (chunks[:, :1] + i).clamp(max=T - 1)  # [NC, C]
+    g = torch.where((i < chunks[:, 1:])[..., None], dbetas.view(H, NC, C).permute(1, 2, 0), 0.0)
+    return g.new_zeros(T, H).index_put_((tok,), g, accumulate=True)[None]
+
+
+def _wide(idx: Tensor) -> Tensor:
+    """``idx`` as int64. Phase 2's walks over several chunks take int64 indices only: with int32
+    ones, compiled for the H200 by Triton 3.6, results went wrong from the third chunk of a
+    stream on (the interpreter's were right); the widened copy costs 4 bytes an entry."""
+    return idx if idx.dtype == torch.int64 else idx.to(torch.int64)
+
+
+def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens) -> Phase1:
+    """Phase 1 and the WY solve; the chunk tables are None without ``cu_seqlens``."""
+    chunks, seq_chunks = (
+        (None, None) if cu_seqlens is None else _varlen_chunks(cu_seqlens, v.shape[1], C)
+    )
+    prep = Prepared(
+        *_chunk_prepare(write_idx, write_w, read_idx, read_w, decay, S, C, chunks, seq_chunks)
+    )
+    A = prep.A
+    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), prep.QK.view(-1, C, C))
+    return Phase1(prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks)
+
+
+def _phase2_(bank: Tensor, v, beta, write_idx, read_idx, p: Phase1) -> Tensor:
+    """Phase 2 in place on ``bank`` (``recurrence_fwd_``), after phase 1 ``p``; returns out."""
+    weights = p.prep[2:7]  # gather_w .. rank
+    return _recurrence_fwd_(
+        bank, v, beta, write_idx, read_idx, *weights, p.X, p.QX, p.chunks, p.seq_chunks
+    )
+
+
+# The inference forward's bank copy beside phase 1 (``_copy_beside``) takes one
+# program for every _COPY_SM_SHARE SMs, which copies at about 60% of a whole-GPU copy's speed;
+# so it runs beside phase 1 only while the bank holds at most _COPY_BESIDE_BYTES a chunk of
+# phase 1 (the reference workload: 256 KiB; S = 2^20 with one batch row: 16 MiB, in order).
+_COPY_SM_SHARE = 4
+_COPY_BESIDE_BYTES = 512 * 1024
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _copy_beside(bank: Tensor, banks: int, chunks: int) -> tuple[Tensor, torch.cuda.Stream | None]:
+    """``(bank_out, side)``: the inference forward's copy of the bank, issued on a second
+    stream ``side`` so that it runs beside phase 1 and the WY solve (over ``chunks`` chunks),
+    latency-bound kernels that leave most of the memory bandwidth idle; the caller makes its
+    stream wait for ``side`` before phase 2. The copy runs as one program for every
+    ``_COPY_SM_SHARE`` SMs (at least one a bank), so that the other stream's programs find
+    whole SMs free. Eager calls and CUDA-graph captures (where the fork becomes two branches of
+    the graph) take it; on the CPU, while traced (Inductor schedules one stream) and for a
+    bank of more than ``_COPY_BESIDE_BYTES`` a chunk, the copy runs in order, ``side`` None."""
+    if (
+        not bank.is_cuda
+        or eager.traced(bank)
+        or banks * bank.shape[-3:].numel() * bank.element_size()
+        > _COPY_BESIDE_BYTES * max(chunks, 1)
+    ):
+        return _bank_copy(bank, banks), None
+    dev = bank.device
+    side = _side_streams.get(dev.index)
+    if side is None:
+        side = _side_streams[dev.index] = torch.cuda.Stream(dev)
+    here = torch.cuda.current_stream(dev)
+    programs = max(1, sm_count(dev) // (_COPY_SM_SHARE * banks))
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        bank_out = _bank_copy(bank, banks, programs)
+    bank_out.record_stream(here)  # allocated on side, used and freed on here
+    return bank_out, side
+
+
+# ---------------------------------------------------------------------------
+# sdm::sparse_delta_memory
+# ---------------------------------------------------------------------------
+
+
+def _sparse_delta_memory(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    bank: Tensor,
+    decay: Tensor | None = None,
+    chunk_size: int = 64,
+    snapshot: str = "none",
+    cu_seqlens: Tensor | None = None,
+    output_final_state: bool = False,
+    *,
+    keep_for_backward: bool = True,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The recurrence of ``sdm_ops.sparse_delta_memory``: (out, bank_out, kept). With
+    ``keep_for_backward`` phase 2 keeps the snapshots (``snapshot``) and ``kept`` holds what the
+    backward reads (``KEPT_FOR_BACKWARD``); without it (what the public function passes when no
+    input requires grad) nothing is kept, ``kept`` is empty and phase 2 runs in place on a copy
+    of the bank, made on a second stream beside phase 1 and the WY solve on the GPU."""
+    v, beta, write_idx, write_w, read_idx, read_w, bank = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w, bank)
+    )
+    write_idx, read_idx = _wide(write_idx), _wide(read_idx)
+    decay = None if decay is None else decay.contiguous()
+    B, T, H, _ = v.shape
+    S, C = bank.shape[-2], chunk_size
+    in_place = not keep_for_backward and output_final_state
+    if in_place:
+        banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        bank_out, side = _copy_beside(bank, banks, B * H * -(-T // C))
+    p = _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens)
+    if in_place:
+        if side is not None:
+            torch.cuda.current_stream(bank.device).wait_stream(side)
+        return _phase2_(bank_out, v, beta, write_idx, read_idx, p), bank_out, []
+    # Without the final state, phase 2 runs on the working set: the rows the sequence touches.
+    rows = (
+        None if output_final_state else working_set.working_rows(write_idx, read_idx, S, cu_seqlens)
+    )
+    out, bank_out, *saved = _recurrence_fwd(
+        v,
+        beta,
+        write_idx if rows is None else rows.write_rows,
+        read_idx if rows is None else rows.read_rows,
+        *p.prep[2:],  # gather_w .. read_rank
+        p.X,
+        p.QX,
+        bank,
+        snapshot if keep_for_backward else SKIP_SNAPSHOT,
+        p.chunks,
+        p.seq_chunks,
+        write_src=None if rows is None else write_idx,
+        read_src=None if rows is None else read_idx,
+        row_slots=None if rows is None else rows.row_slots,
+    )
+    if not keep_for_backward:
+        return out, bank.new_empty(0), []
+    kept = [*p.prep, p.X, p.QX, *saved]
+    if cu_seqlens is not None:
+        kept += [p.chunks, p.seq_chunks]
+    if rows is not None:
+        kept += list(rows)
+    return out, bank_out if output_final_state else bank.new_empty(0), kept
+
+
+sparse_delta_memory = triton_op("sdm::sparse_delta_memory", mutates_args=())(_sparse_delta_memory)
+sparse_delta_memory.register_fake(meta.sparse_delta_memory_fake)
+
+
+def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
+    v, beta, write_idx, write_w, read_idx, read_w, bank, decay, chunk_size, snapshot = inputs[:10]
+    kept = output[2]
+    ctx.mark_non_differentiable(*kept)
+    # out or the bank may get no gradient: no zero tensors are made for them (None reaches the
+    # backward).
+    ctx.set_materialize_grads(False)
+    ctx.keep_for_backward = keyword_only_inputs["keep_for_backward"]
+    ctx.working_set = not inputs[11]  # output_final_state
+    ctx.chunk_size, ctx.snapshot, ctx.bank_rows = chunk_size, snapshot, bank.shape[-2]
+    ctx.v_dtype, ctx.bank_meta = v.dtype, (bank.dim(), bank.dtype)
+    if ctx.keep_for_backward:
+        ctx.save_for_backward(beta, write_idx, write_w, read_idx, read_w, decay, *kept)
+
+
+def _no_double_backward(name: str) -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"sdm_ops: {name} does not support double backward (its backward "
+            "is not differentiable); do not pass create_graph=True"
+        )
+
+
+def _unpack_kept(kept: list[Tensor], working: bool):
+    """(Phase1, Snapshot, WorkingRows or None) from the forward's ``kept`` tensors (in the order
+    of ``KEPT_FOR_BACKWARD``, then the chunk tables, then the working set's layout when
+    ``working``)."""
+    n = len(Prepared._fields)
+    prep, (X, QX), saved, tables = kept[:n], kept[n : n + 2], kept[n + 2 : n + 6], kept[n + 6 :]
+    rows = None
+    if working:
+        rows = working_set.WorkingRows(*tables[-3:])
+        tables = tables[:-3]
+    chunks, seq_chunks = tables or (None, None)
+    return Phase1(Prepared(*prep), X, QX, chunks, seq_chunks), Snapshot(*saved), rows
+
+
+def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
+    """Phase 2's backward (``recurrence_bwd``), then, for the inputs that need them, the WY
+    solve's (``wy_solve_backward``; beta's share through ``_chunk_betas``) and phase 1's
+    (``chunk_prepare_backward``): the kernels, and the order of their float operations, of the
+    autograd graph of the operators composed one by one."""
+    _no_double_backward("sparse_delta_memory")
+    if not ctx.keep_for_backward:
+        raise RuntimeError(
+            "sdm::sparse_delta_memory ran with keep_for_backward=False, which keeps nothing for "
+            "a backward; call it with keep_for_backward=True to differentiate it "
+            "(sdm_ops.sparse_delta_memory does so whenever an input requires grad)"
+        )
+    beta, write_idx, write_w, read_idx, read_w, decay, *kept = ctx.saved_tensors
+    p, saved, rows = _unpack_kept(kept, ctx.working_set)
+    if dbank_out is not None and dbank_out.numel() == 0:  # no final state was returned
+        dbank_out = None
+    beta, write_idx, write_w, read_idx, read_w = (
+        t.contiguous() for t in (beta, write_idx, write_w, read_idx, read_w)
+    )
+    write_idx, read_idx = _wide(write_idx), _wide(read_idx)
+    decay = None if decay is None else decay.contiguous()
+    # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
+    # dispatcher passes no argument left at its default, so the tuple may be shorter).
+    needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
+    # The internal operators' bodies, eagerly (``eager.in_backward``).
+    direct = eager.eager_backward(beta)
+    dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = eager.in_backward(_recurrence_bwd, direct)(
+        beta,
+        write_idx if rows is None else rows.write_rows,
+        read_idx if rows is None else rows.read_rows,
+        *p.prep[2:],  # gather_w .. read_rank
+        p.X,
+        p.QX,
+        saved.res,
+        saved.delta,
+        ctx.bank_rows if rows is None else rows.row_slots.shape[1],
+        saved.snap,
+        saved.snap_scale,
+        ctx.snapshot,
+        dout=None if dout is None else dout.contiguous(),
+        dbank_out=None if dbank_out is None else dbank_out.contiguous(),
+        v_dtype=ctx.v_dtype,
+        chunks=p.chunks,
+        seq_chunks=p.seq_chunks,
+    )
+    bank_dim, bank_dtype = ctx.bank_meta
+    if rows is not None:
+        if needs[6]:
+            to_bank = eager.in_backward(_rows_to_bank, direct)
+            dbank = to_bank(dbank, rows.row_slots, ctx.bank_rows, bank_dim == 3)
+    elif bank_dim == 3:
+        dbank = dbank.sum(0)
+    dww = drw = ddc = None
+    if needs[1] or needs[3] or needs[5] or needs[7]:
+        C, A = ctx.chunk_size, p.prep.A
+        dA, dbetas, dQK = eager.in_backward(_wy_solve_backward, direct)(
+            A.view(-1, C, C),
+            _chunk_betas(beta, C, p.chunks),
+            p.prep.QK.view(-1, C, C),
+            p.X.view(-1, C, C),
+            dX.view(-1, C, C),
+            dQX.view(-1, C, C),
+        )
+        through_chunks = _chunk_betas_backward(dbetas, beta, C, p.chunks) if needs[1] else None
+        if through_chunks is not None:
+            # Both shares in float32, one rounding to beta's dtype at the end: rounded apart,
+            # a bfloat16 beta's gradient would carry each share's rounding, not the sum's.
+            dbeta = dbeta + through_chunks.to(dbeta.dtype)
+        if needs[3] or needs[5] or needs[7]:
+            wd = meta.weight_dtype(write_w, read_w, decay)
+            grads = (dA.view(A.shape), dQK.view(A.shape), dgw, dgr, dsw, drd)
+            dww, drw, ddc = eager.in_backward(_chunk_prepare_backward, direct)(
+                write_idx,
+                write_w,
+                read_idx,
+                read_w,
+                decay,
+                ctx.bank_rows,
+                *(g.to(wd) for g in grads),  # dA, dQK, d_gather_w .. d_row_decay
+                p.chunks,
+                p.seq_chunks,
+            )
+    grads = (
+        dv if needs[0] else None,
+        dbeta.to(beta.dtype) if needs[1] else None,
+        None,
+        dww.to(write_w.dtype) if needs[3] else None,
+        None,
+        drw.to(read_w.dtype) if needs[5] else None,
+        dbank.to(bank_dtype) if needs[6] else None,
+        ddc.to(decay.dtype) if needs[7] else None,
+    )
+    # One gradient for each argument the dispatcher passed (chunk_size and the others get None).
+    return (grads + (None,) * 4)[: len(ctx.needs_input_grad)]
+
+
+sparse_delta_memory_route = eager.route(
+    "sdm::sparse_delta_memory",
+    sparse_delta_memory,
+    _sparse_delta_memory,
+    setup=_sparse_delta_memory_setup,
+    backward=_sparse_delta_memory_grad,
+    kw_only=("keep_for_backward",),
+    listed=2,
+)
+
+
+# ---------------------------------------------------------------------------
+# sdm::sparse_delta_memory_
+# ---------------------------------------------------------------------------
+
+
+def _inplace_chunk_size(T, chunk_size: int):
+    """``chunk_size`` (16, 32, 64 or 128), or for a sequence shorter than it the smallest of
+    those sizes that holds it: a short prefill runs in one small chunk."""
+    C = chunk_size
+    while C > 16 and C // 2 >= T:
+        C //= 2
+    return C
+
+
+def _sparse_delta_memory_(
+    v: Tensor,
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    bank: Tensor,
+    decay: Tensor | None = None,
+    chunk_size: int = 64,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """The recurrence of ``sdm_ops.sparse_delta_memory_``, updating ``bank`` [B, H, S, D] in
+    place and keeping nothing for a backward; returns out. One token per stream (T = 1, no
+    ``cu_seqlens``) is one decode step (``decode_step_``); a sequence shorter than
+    ``chunk_size`` runs in chunks of the smallest size that holds it (``_inplace_chunk_size``)."""
+    v, beta, write_idx, write_w, read_idx, read_w = (
+        t.contiguous() for t in (v, beta, write_idx, write_w, read_idx, read_w)
+    )
+    if v.shape[1] != 1 or cu_seqlens is not None:
+        write_idx, read_idx = _wide(write_idx), _wide(read_idx)
+    decay = None if decay is None else decay.contiguous()
+    state = bank.contiguous()
+    T = v.shape[1]
+    entries = (write_idx, write_w, read_idx, read_w, decay)
+    if T == 1 and cu_seqlens is None:  # a decode step: one kernel, no chunk machinery
+        # The step's body, not its operator: a second dispatch would double the host cost of
+        # an eager step, and a traced graph sees the same kernel either way.
+        out = _decode_step(state, v, beta, *entries)
+    else:
+        C = _inplace_chunk_size(T, chunk_size)
+        p = _phase1(v, beta, *entries, bank.shape[-2], C, cu_seqlens)
+        out = _phase2_(state, v, beta, write_idx, read_idx, p)
+    if state is not bank:  # a bank of another dense layout: updated through a copy
+        bank.copy_(state)
+    return out
+
+
+sparse_delta_memory_ = triton_op("sdm::sparse_delta_memory_", mutates_args=("bank",))(
+    _sparse_delta_memory_
+)
+sparse_delta_memory_.register_fake(meta.sparse_delta_memory_inplace_fake)
+sparse_delta_memory_inplace_route = eager.route(
+    "sdm::sparse_delta_memory_", sparse_delta_memory_, _sparse_delta_memory_, mutated=(6,)
+)

@@ -1,0 +1,104 @@
+"""The WY solve: ``sdm::wy_solve`` and its backward ``sdm_internal::wy_solve_backward``
+(kernels in ``sdm_ops.kernels.wy_solve``, fakes in ``sdm_ops.meta.wy_solve``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from ..kernels._common import on_device
+from ..meta import wy_solve as meta
+from . import eager
+from ._define import kernel_op
+
+# ---------------------------------------------------------------------------
+# sdm::wy_solve
+# ---------------------------------------------------------------------------
+
+
+def _wy_solve_kernels(a) -> tuple[Tensor, Tensor]:
+    from ..kernels import wy_solve as k
+
+    X, QX = meta.wy_solve_fake(*a)
+    with on_device(a.A):
+        k.wy_solve_fwd(a.A, a.beta, a.QK, X, QX)
+    return X, QX
+
+
+def _wy_solve_cpu(a) -> tuple[Tensor, Tensor]:
+    X, QX = reference.wy_solve_reference(a.A, a.beta, a.QK)
+    return X.contiguous(), QX.contiguous()
+
+
+@kernel_op(
+    "sdm::wy_solve",
+    on="A",
+    contiguous=True,
+    kernels=_wy_solve_kernels,
+    reference=_wy_solve_cpu,
+    fake=meta.wy_solve_fake,
+)
+def _wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
+    """X = (I + tril(beta A, -1))^-1, QX = tril(QK) X; A, QK [N, C, C], beta [N, C], float32."""
+
+
+wy_solve = _wy_solve.op
+
+
+# ---------------------------------------------------------------------------
+# sdm_internal::wy_solve_backward
+# ---------------------------------------------------------------------------
+
+
+def _wy_solve_backward_kernels(a) -> tuple[Tensor, Tensor, Tensor]:
+    from ..kernels import wy_solve as k
+
+    dA, dbeta, dQK = meta.wy_solve_backward_fake(*a)
+    with on_device(a.A):
+        k.wy_solve_bwd(*a, dA, dbeta, dQK)
+    return dA, dbeta, dQK
+
+
+def _wy_solve_backward_cpu(a) -> tuple[Tensor, Tensor, Tensor]:
+    dA, dbeta, dQK = reference.wy_solve_backward_reference(*a)
+    return dA.contiguous(), dbeta.contiguous(), dQK.contiguous()
+
+
+@kernel_op(
+    "sdm_internal::wy_solve_backward",
+    on="A",
+    kernels=_wy_solve_backward_kernels,
+    reference=_wy_solve_backward_cpu,
+    fake=meta.wy_solve_backward_fake,
+)
+def _wy_solve_backward(
+    A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor, dQX: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dA, dbeta, dQK) of ``wy_solve`` (strict lower, [N, C], lower triangle)."""
+
+
+wy_solve_backward = _wy_solve_backward.op
+
+
+# ---------------------------------------------------------------------------
+# The autograd of sdm::wy_solve
+# ---------------------------------------------------------------------------
+
+
+def _wy_solve_setup(ctx, inputs, output):
+    A, beta, QK = inputs
+    ctx.save_for_backward(A, beta, QK, output[0])
+
+
+def _wy_solve_grad(ctx, dX, dQX):
+    A, beta, QK, X = ctx.saved_tensors
+    dX = torch.zeros_like(X) if dX is None else dX.contiguous()
+    dQX = torch.zeros_like(X) if dQX is None else dQX.contiguous()
+    solve_backward = eager.in_backward(_wy_solve_backward, eager.eager_backward(X))
+    return tuple(solve_backward(A.contiguous(), beta.contiguous(), QK.contiguous(), X, dX, dQX))
+
+
+wy_solve_route = eager.route(
+    "sdm::wy_solve", wy_solve, _wy_solve, setup=_wy_solve_setup, backward=_wy_solve_grad
+)
