@@ -10,7 +10,9 @@ import torch
 
 from sdm_ops import ops
 from sdm_ops import reference as ref
+from sdm_ops.kernels import _common
 from sdm_ops.kernels import chunk_prepare as kernel
+from sdm_ops.kernels import chunk_prepare_pairs as pairs
 from sdm_ops.kernels import chunk_prepare_sparse as sparse
 from tests.helpers import (
     KERNEL_DEVICE,
@@ -30,14 +32,14 @@ def heavy_flags(monkeypatch):
     """The per-chunk heavy flags (a bucket of more entries than COMPACT: count -1) of every
     sparse launch, and a setter of COMPACT."""
     seen = []
-    launch = kernel._sparse_launch
+    launch = kernel.sparse_launch
 
     def spy(*args, **kwargs):
         shared = launch(*args, **kwargs)
         seen.append(None if shared is None else (shared < 0).cpu())
         return shared
 
-    monkeypatch.setattr(kernel, "_sparse_launch", spy)
+    monkeypatch.setattr(kernel, "sparse_launch", spy)
     return seen, lambda mc: monkeypatch.setattr(sparse, "COMPACT", mc)
 
 
@@ -153,14 +155,14 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
     6, is past the last), program 1 chunks 1, 3 and 5."""
     seen, set_compact = heavy_flags
     set_compact(16)
-    monkeypatch.setattr(sparse, "_STRIDED_PROGRAMS", 2)
-    monkeypatch.setattr(sparse, "_WALK", 2)
+    monkeypatch.setattr(_common, "STRIDED_PROGRAMS", 2)
+    monkeypatch.setattr(pairs, "_WALK", 2)
     windows = []
-    launch = sparse.wrap_triton
+    launch = pairs.wrap_triton
 
     def spy(fn):
         launcher = launch(fn)
-        if fn is not sparse._chunk_pairs_kernel:
+        if fn is not pairs._chunk_pairs_kernel:
             return launcher
 
         class Spy:
@@ -173,7 +175,7 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
 
         return Spy()
 
-    monkeypatch.setattr(sparse, "wrap_triton", spy)
+    monkeypatch.setattr(pairs, "wrap_triton", spy)
     a = make_sdm_inputs(B=1, H=2, D=16, T=48, W=4, R=4, S=100, seed=8, device=KERNEL_DEVICE)
     _check(a, 16, seed=8)
     shared = _shared_counts(a, 16)

@@ -1,4 +1,4 @@
-"""What every kernel module shares: when kernels run, and small launch helpers.
+"""What every kernel module shares: when kernels run, and small launch helpers (grids).
 
 Kernels run on CUDA tensors. On CPU tensors the operators run the reference instead, except
 inside :func:`kernels_on_cpu` with ``TRITON_INTERPRET=1`` set before triton was imported: then
@@ -12,6 +12,7 @@ import contextvars
 import os
 
 import torch
+import triton
 
 _ON_CPU = contextvars.ContextVar("sdm_ops_kernels_on_cpu", default=False)
 
@@ -58,3 +59,26 @@ def on_device(t: torch.Tensor):
     ):
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+def chunk_grid(B: int, T: int, H: int, C: int, chunks) -> tuple[int, int]:
+    """(chunks, streams) of the per-chunk grids: (ceil(T / C), B * H), or for a packed batch
+    (its chunk slots, H)."""
+    return (triton.cdiv(T, C), B * H) if chunks is None else (chunks.shape[0], H)
+
+
+# A launch for the few chunks of one kind (phase 1's windowed tier, its dense kernels' heavy
+# chunks after the sparse path) runs at most this many chunk programs an SM, each walking every
+# G-th chunk.
+STRIDED_PROGRAMS_PER_SM = 2
+STRIDED_PROGRAMS: int | None = None  # a fixed bound instead (tests bound it to walk)
+
+
+def strided_grid(N: int, P: int, device: torch.device) -> tuple[int, int]:
+    """The chunk grid of a launch for few chunks of N * P: at most STRIDED_PROGRAMS_PER_SM
+    programs an SM of ``device`` (a program's chunks do not depend on the grid's width, so
+    neither does the result); without SMs (the interpreter) one program a chunk."""
+    if STRIDED_PROGRAMS is not None:
+        return min(N * P, STRIDED_PROGRAMS), 1
+    sms = sm_count(device)
+    return (min(N * P, STRIDED_PROGRAMS_PER_SM * sms) if sms else N * P), 1

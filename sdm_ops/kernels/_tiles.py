@@ -1,4 +1,5 @@
-"""Tile loaders shared by the recurrence kernels: token rows and their entries.
+"""Tile loaders shared by the recurrence kernels: token rows and their entries, and the
+positions and slot hash buckets of phase 1's sparse path (its sort and pairs kernels).
 
 Tokens are rows of [B, T, H, ...] tensors: token t of stream (b, h) is row (b * T + t) * H + h
 (int64). A chunk is its first token and its token count: computed for a dense batch, read from
@@ -64,3 +65,19 @@ def snapshot_entries(tok, E0: tl.constexpr, E: tl.constexpr, EP: tl.constexpr):
     of ``tok``, in a snapshot holding E entries per token (the write entries, then the read
     entries)."""
     return tok[:, None] * E + E0 + tl.arange(0, EP)[None, :]
+
+
+@triton.jit
+def entry_position(pos, EM: tl.constexpr):
+    """(token, is a read entry, entry number) of phase 1's sparse entry positions
+    pos = tok * 2 EM + side * EM + j (``chunk_prepare_sparse``)."""
+    return pos // (2 * EM), (pos // EM) % 2 == 1, pos % EM
+
+
+@triton.jit
+def slot_bucket(raw, HB: tl.constexpr):
+    """The hash bucket (HB bits) of valid slots ``raw`` (int64); never the one of all ones,
+    which the sort keeps for invalid entries."""
+    NONE: tl.constexpr = (1 << HB) - 1
+    bucket = ((raw * 0x9E3779B1) >> 20) & NONE
+    return tl.where(bucket == NONE, 0, bucket).to(tl.int32)

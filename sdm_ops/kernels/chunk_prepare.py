@@ -36,7 +36,7 @@ geometry has no sparse path): grid (N, B * H, C // BJ), a program
 owns BJ tokens ("own" entries: their W write and R read entries) of one chunk and walks the
 chunk's C tokens in order, matching each token's entries against its own, and writes the
 columns of its tokens in A and QK and its entries' weights. Launched after the sparse path,
-a dense kernel has at most _STRIDED_PROGRAMS_PER_SM programs an SM, each walking every G-th
+a dense kernel has at most STRIDED_PROGRAMS_PER_SM programs an SM, each walking every G-th
 chunk and taking a heavy one whole, BJ tokens at a time. On either path each output element
 has one writer and every sum and product runs in a fixed order, so the result is bitwise
 deterministic.
@@ -48,8 +48,9 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._common import chunk_grid, strided_grid
 from ._tiles import dense_chunk, token_entries
-from .chunk_prepare_sparse import _sparse_launch, _strided_grid
+from .chunk_prepare_sparse import sparse_launch
 
 _NUM_WARPS = 4
 _TILE = 4096  # own entries x token entries compared at once
@@ -224,75 +225,35 @@ def _chunk_prepare_kernel(
     VARLEN: tl.constexpr,
     SPARSE: tl.constexpr,
 ):
-    if SPARSE:  # the heavy chunks alone (count -1), usually none: see _strided_grid
+    args = (
+        write_idx,
+        write_w,
+        decay,
+        read_idx,
+        read_w,
+        chunks,
+        A,
+        QK,
+        gather_w,
+        gather_r,
+        scatter_w,
+        row_decay,
+        rank,
+        read_rank,
+    )
+    if SPARSE:  # the heavy chunks alone (count -1), usually none: see strided_grid
         step = tl.num_programs(0)
         for k in range(tl.cdiv(N * P, step)):
             chunk = tl.program_id(0) + k * step
             if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
                 for jb in range(C // BJ):
+                    n, p = chunk % N, chunk // N
                     _prepare_chunk(
-                        write_idx,
-                        write_w,
-                        decay,
-                        read_idx,
-                        read_w,
-                        chunks,
-                        A,
-                        QK,
-                        gather_w,
-                        gather_r,
-                        scatter_w,
-                        row_decay,
-                        rank,
-                        read_rank,
-                        chunk % N,
-                        chunk // N,
-                        jb * BJ,
-                        N,
-                        T,
-                        H,
-                        S,
-                        W,
-                        R,
-                        WP,
-                        RP,
-                        C,
-                        BJ,
-                        HAS_DECAY,
-                        VARLEN,
+                        *args, n, p, jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN
                     )
     else:  # grid (N, P, C // BJ): a program takes BJ tokens of one chunk
-        _prepare_chunk(
-            write_idx,
-            write_w,
-            decay,
-            read_idx,
-            read_w,
-            chunks,
-            A,
-            QK,
-            gather_w,
-            gather_r,
-            scatter_w,
-            row_decay,
-            rank,
-            read_rank,
-            tl.program_id(0),
-            tl.program_id(1),
-            tl.program_id(2) * BJ,
-            N,
-            T,
-            H,
-            S,
-            W,
-            R,
-            WP,
-            RP,
-            C,
-            BJ,
-            HAS_DECAY,
-            VARLEN,
-        )
+        n, p, j0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BJ
+        _prepare_chunk(*args, n, p, j0, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
 
 
 def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
@@ -301,12 +262,6 @@ def chunk_prepare_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     rp = triton.next_power_of_2(max(R, 1))
     bj = max(1, min(C, _TILE // (max(wp, rp) * wp)))
     return wp, rp, bj
-
-
-def chunk_grid(B: int, T: int, H: int, C: int, chunks) -> tuple[int, int]:
-    """(chunks, streams) of the per-chunk grids: (ceil(T / C), B * H), or for a packed batch
-    (its chunk slots, H)."""
-    return (triton.cdiv(T, C), B * H) if chunks is None else (chunks.shape[0], H)
 
 
 def chunk_prepare(
@@ -351,9 +306,9 @@ def chunk_prepare(
         read_rank,
     )
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = _sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
+    shared = sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
-    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P, write_idx.device) + (1,)
+    grid = (N, P, C // bj) if shared is None else strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_kernel)[grid](
         *common,
         write_idx if shared is None else shared,
@@ -597,77 +552,36 @@ def _chunk_prepare_bwd_kernel(
     VARLEN: tl.constexpr,
     SPARSE: tl.constexpr,
 ):
+    args = (
+        write_idx,
+        write_w,
+        decay,
+        read_idx,
+        read_w,
+        chunks,
+        dA,
+        dQK,
+        d_gather_w,
+        d_gather_r,
+        d_scatter_w,
+        d_row_decay,
+        d_write_w,
+        d_decay,
+        d_read_w,
+    )
     if SPARSE:  # the heavy chunks alone: see _chunk_prepare_kernel
         step = tl.num_programs(0)
         for k in range(tl.cdiv(N * P, step)):
             chunk = tl.program_id(0) + k * step
             if tl.load(shared_count + chunk, mask=chunk < N * P, other=0) < 0:
                 for jb in range(C // BJ):
+                    n, p = chunk % N, chunk // N
                     _prepare_chunk_bwd(
-                        write_idx,
-                        write_w,
-                        decay,
-                        read_idx,
-                        read_w,
-                        chunks,
-                        dA,
-                        dQK,
-                        d_gather_w,
-                        d_gather_r,
-                        d_scatter_w,
-                        d_row_decay,
-                        d_write_w,
-                        d_decay,
-                        d_read_w,
-                        chunk % N,
-                        chunk // N,
-                        jb * BJ,
-                        N,
-                        T,
-                        H,
-                        S,
-                        W,
-                        R,
-                        WP,
-                        RP,
-                        C,
-                        BJ,
-                        HAS_DECAY,
-                        VARLEN,
+                        *args, n, p, jb * BJ, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN
                     )
     else:
-        _prepare_chunk_bwd(
-            write_idx,
-            write_w,
-            decay,
-            read_idx,
-            read_w,
-            chunks,
-            dA,
-            dQK,
-            d_gather_w,
-            d_gather_r,
-            d_scatter_w,
-            d_row_decay,
-            d_write_w,
-            d_decay,
-            d_read_w,
-            tl.program_id(0),
-            tl.program_id(1),
-            tl.program_id(2) * BJ,
-            N,
-            T,
-            H,
-            S,
-            W,
-            R,
-            WP,
-            RP,
-            C,
-            BJ,
-            HAS_DECAY,
-            VARLEN,
-        )
+        n, p, j0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BJ
+        _prepare_chunk_bwd(*args, n, p, j0, N, T, H, S, W, R, WP, RP, C, BJ, HAS_DECAY, VARLEN)
 
 
 def chunk_prepare_bwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
@@ -722,9 +636,9 @@ def chunk_prepare_bwd(
         d_read_w,
     )
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = _sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
+    shared = sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
-    grid = (N, P, C // bj) if shared is None else _strided_grid(N, P, write_idx.device) + (1,)
+    grid = (N, P, C // bj) if shared is None else strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_bwd_kernel)[grid](
         *common,
         write_idx if shared is None else shared,

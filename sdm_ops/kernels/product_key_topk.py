@@ -80,6 +80,16 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._keys import (
+    SELECT_WIDTH,
+    key_tie,
+    key_value,
+    pack_key,
+    pack_key16,
+    take,
+    to_dtype,
+)
+
 # Pinned launch geometry. Forward: factor columns and stage candidates go in chunks of at
 # most _FWD_CHUNK; rows per program such that the widest chunk times ROWS is about
 # _FWD_BLOCK; at most _FWD_WARPS warps. Backward: dense accumulator blocks of at most
@@ -106,11 +116,7 @@ _BWD_MAX_ROWS = 128
 _BWD_ZERO_ROW_ELEMENTS = 4096
 _BWD_TILE_SLOTS = 16
 _BWD_WARPS = 4
-# Lists of at most this many entries are read by selects (``_take``) rather than ``tl.gather``,
-# so that they do not bound the warp count.
-_SELECT_WIDTH = 4
-_SELECT = tl.constexpr(_SELECT_WIDTH)
-# Below every key ``_pack`` makes (their int32 part is at least that of -inf), and above every
+# Below every key ``pack_key`` makes (their int32 part is at least that of -inf), and above every
 # lin-ordered key of the final sort.
 _MIN_KEY = tl.constexpr(-(2**63))
 _MAX_KEY = tl.constexpr(2**63 - 1)
@@ -130,105 +136,6 @@ def _pow2(x: int) -> int:
 
 def _log2(x: int) -> int:
     return x.bit_length() - 1
-
-
-# ---------------------------------------------------------------------------
-# Key packing
-# ---------------------------------------------------------------------------
-
-
-@triton.jit
-def _key32(x):
-    """Order-preserving int32 of float32 ``x``: NaN as -inf, -0 as +0."""
-    s = tl.where(x != x, float("-inf"), x)
-    s = tl.where(s == 0.0, 0.0, s)
-    b = s.to(tl.int32, bitcast=True)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _flags(x):
-    """2 bits: NaN (2) and -0 (1), which ``_key32`` forgets."""
-    b = x.to(tl.int32, bitcast=True)
-    return (x != x).to(tl.int32) * 2 + (b == -2147483648).to(tl.int32)
-
-
-@triton.jit
-def _pack(x, tie):
-    """int64 key of float32 ``x`` with ``tie`` (non-negative, < 2**29) breaking equal keys."""
-    low = (tie << 2) | _flags(x)
-    return (_key32(x).to(tl.int64) << 32) | low.to(tl.int64)
-
-
-@triton.jit
-def _pack16(x, tie):
-    """int32 key of a float32 ``x`` that is a widened bfloat16 (its low 16 bits zero), with
-    ``tie`` (non-negative, < 2**14) breaking equal keys: the high half of ``_key32(x)``, which
-    orders such values as ``_key32`` does (a negative one's low half is all ones, a positive
-    one's zero), above ``tie << 2 | flags``."""
-    return ((_key32(x) >> 16) << 16) | (tie << 2) | _flags(x)
-
-
-@triton.jit
-def _value(key):
-    """The exact float32 packed in ``key`` by ``_pack`` (int64) or ``_pack16`` (int32)."""
-    if key.dtype == tl.int32:
-        k16 = key >> 16
-        k32 = (k16 << 16) | ((k16 >> 31) & 0xFFFF)
-        flags = key & 3
-    else:
-        k32 = (key >> 32).to(tl.int32)
-        flags = (key & 3).to(tl.int32)
-    b = k32 ^ ((k32 >> 31) & 0x7FFFFFFF)
-    b = tl.where((flags & 2) != 0, 0x7FC00000, b)
-    b = tl.where((flags & 1) != 0, -2147483648, b)
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_dtype(x, dtype: tl.constexpr):
-    """float32 ``x`` rounded to ``dtype`` (float32 or bfloat16) to nearest even. The bfloat16
-    rounding is done on the bits, so the conversion itself is exact (the interpreter's
-    float32 -> bfloat16 cast truncates)."""
-    if dtype == tl.bfloat16:
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        b = tl.where(x != x, 0x7FC00000, b)
-        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
-def _tie(key):
-    if key.dtype == tl.int32:
-        return (key >> 2) & 0x3FFF
-    else:
-        return ((key >> 2) & 0x1FFFFFFF).to(tl.int32)
-
-
-@triton.jit
-def _take(src, idx, L: tl.constexpr):
-    """``src[r, idx[r, n]]`` for a [ROWS, L] ``src`` (int64 or float32) and a [ROWS, N]
-    ``idx`` in [0, L). Up to _SELECT_WIDTH columns by selects, exact for every value (a
-    float32 source is read as its bits), else by ``tl.gather``, which Triton lowers within a
-    warp, so only wider sources bound the launcher's warp count."""
-    if L > _SELECT:
-        return tl.gather(src, idx, 1)
-    else:
-        if src.dtype == tl.float32:
-            bits = src.to(tl.int32, bitcast=True)
-        else:
-            bits = src
-        cols = tl.arange(0, L)[None, :]
-        out = tl.broadcast_to(tl.sum(tl.where(cols == 0, bits, 0), axis=1)[:, None], idx.shape)
-        for c in tl.static_range(1, L):
-            col = tl.sum(tl.where(cols == c, bits, 0), axis=1)
-            out = tl.where(idx == c, col[:, None], out)
-        if src.dtype == tl.float32:
-            return out.to(tl.float32, bitcast=True)
-        else:
-            return out
 
 
 # ---------------------------------------------------------------------------
@@ -278,19 +185,19 @@ def _merge(best, new, L: tl.constexpr, ROWS: tl.constexpr):
 @triton.jit
 def _factor_keys(base, rmask, c0, OFF: tl.constexpr, F: tl.constexpr, CH: tl.constexpr):
     """Keys of columns c0 .. c0 + CH - 1 of the factor at column OFF (F wide): [ROWS, CH],
-    tie field 4095 - column; columns past F get the smallest key. int32 keys (``_pack16``)
+    tie field 4095 - column; columns past F get the smallest key. int32 keys (``pack_key16``)
     for bfloat16 rows, whose values need 16 bits, so that the factor's sorts move half the
-    bits; int64 (``_pack``) for float32 rows."""
+    bits; int64 (``pack_key``) for float32 rows."""
     col = c0 + tl.arange(0, CH)
     ok = col < F
     x = tl.load(
         base[:, None] + OFF + col[None, :], mask=rmask[:, None] & ok[None, :], other=0.0
     ).to(tl.float32)
     if base.dtype.element_ty == tl.bfloat16:
-        key = _pack16(x, (4095 - col)[None, :])
+        key = pack_key16(x, (4095 - col)[None, :])
         return tl.where(ok[None, :], key, _MIN_KEY32)
     else:
-        key = _pack(x, (4095 - col)[None, :])
+        key = pack_key(x, (4095 - col)[None, :])
         return tl.where(ok[None, :], key, _MIN_KEY)
 
 
@@ -314,7 +221,7 @@ def _factor_top(
 
 @triton.jit
 def _factor_col(key):
-    return 4095 - _tie(key)
+    return 4095 - key_tie(key)
 
 
 @triton.jit
@@ -348,8 +255,8 @@ def _pair_keys(
     j = tl.where(ok, j, 0)
     ii = tl.broadcast_to(i[None, :], (ROWS, CH))
     jj = tl.broadcast_to(j[None, :], (ROWS, CH))
-    s = _take(ps, ii, LP) + _value(_take(fkey, jj, LM))
-    key = _pack(s, (65535 - (i * 256 + j))[None, :])
+    s = take(ps, ii, LP) + key_value(take(fkey, jj, LM))
+    key = pack_key(s, (65535 - (i * 256 + j))[None, :])
     return tl.where(ok[None, :], key, _MIN_KEY)
 
 
@@ -376,11 +283,11 @@ def _stage(
     for c0 in range(CH, (LOG + 1) * B, CH):
         keys = _pair_keys(ps, fkey, c0, NP, LP, M, LM, KK, B, LOG, CH, ROWS)
         best = _merge(best, _top(keys, B), B, ROWS)
-    tie = 65535 - _tie(best)
+    tie = 65535 - key_tie(best)
     ti = tl.minimum(tie >> 8, LP - 1)
     tj = tl.minimum(tie & 255, LM - 1)
-    lin = _take(plin, ti, LP) * F + _factor_col(_take(fkey, tj, LM)).to(tl.int64)
-    return _value(best), lin
+    lin = take(plin, ti, LP) * F + _factor_col(take(fkey, tj, LM)).to(tl.int64)
+    return key_value(best), lin
 
 
 @triton.jit
@@ -431,7 +338,7 @@ def _product_key_topk_fwd(
     rmask = row < n_rows
     base = rows_ptr + row * W
     key = _factor_top(base, rmask, 0, F0, CF0, LM0, ROWS)
-    score = _value(key)
+    score = key_value(key)
     lin = _factor_col(key).to(tl.int64)
     if NF > 1:
         key = _factor_top(base, rmask, F0, F1, CF1, LM1, ROWS)
@@ -448,11 +355,11 @@ def _product_key_topk_fwd(
     skey = tl.where(keep[None, :], (lin << 8) | pos[None, :].to(tl.int64), _MAX_KEY)
     skey = tl.sort(skey, dim=1)
     p = tl.minimum((skey & 255).to(tl.int32), LF - 1)
-    val = _take(score, p, LF)
+    val = take(score, p, LF)
     out = row[:, None] * KK + pos[None, :]
     smask = rmask[:, None] & keep[None, :]
     tl.store(lin_ptr + out, skey >> 8, mask=smask)
-    tl.store(val_ptr + out, _to_dtype(val, val_ptr.dtype.element_ty), mask=smask)
+    tl.store(val_ptr + out, to_dtype(val, val_ptr.dtype.element_ty), mask=smask)
 
 
 def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
@@ -460,7 +367,7 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
     and the rows' element size alone. ROWS fills a block of about _FWD_BLOCK elements of the
     widest per-row tensor; the warp count is capped so that every ``tl.gather`` source has
     whole rows per warp (Triton lowers a gather warp-locally and asserts it can); lists of at
-    most _SELECT_WIDTH entries are read by selects (``_take``) and do not count, so that a
+    most SELECT_WIDTH entries are read by selects (``take``) and do not count, so that a
     narrow factor (1 to 4 columns) or a small k does not leave a program of wide chunks with
     one warp. A factor chunk wider than one warp's loads (_WARP_LOAD_BYTES: Triton gives a
     thread 16 contiguous bytes, then spreads the rest of the row over the warps) would split
@@ -478,7 +385,7 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
         meta.update({f"F{f}": width, f"M{f}": m, f"LM{f}": _pow2(m), f"CF{f}": chunk})
         if f < len(factors):
             widest_factor = max(widest_factor, chunk)
-            if len(factors) > 1 and _pow2(m) > _SELECT_WIDTH:
+            if len(factors) > 1 and _pow2(m) > SELECT_WIDTH:
                 narrowest = min(narrowest, _pow2(m))
     kept = meta["M0"]
     for f in range(1, 4):
@@ -489,10 +396,10 @@ def _fwd_config(factors: list[int], k: int, itemsize: int) -> dict:
         meta.update({f"KK{f}": kept, f"B{f}": b, f"LOG{f}": _log2(b), f"CS{f}": chunk})
         if f < len(factors):
             widest_stage = max(widest_stage, chunk)
-            if b > _SELECT_WIDTH:
+            if b > SELECT_WIDTH:
                 narrowest = min(narrowest, b)
     kk = min(k, math.prod(factors))
-    if _pow2(kk) > _SELECT_WIDTH:
+    if _pow2(kk) > SELECT_WIDTH:
         narrowest = min(narrowest, _pow2(kk))
     one_warp = widest_factor * itemsize > _WARP_LOAD_BYTES
     rows = max(1, min(_FWD_MAX_ROWS, _FWD_BLOCK // max(widest_factor, widest_stage)))
@@ -559,7 +466,7 @@ def _factor_grad(
             acc += tl.where(c[:, None] == col[None, :], g[:, None], 0.0)
         tl.store(
             out_row[:, None] + col[None, :],
-            _to_dtype(acc, out_row.dtype.element_ty),
+            to_dtype(acc, out_row.dtype.element_ty),
             mask=rmask[:, None] & (col < F)[None, :],
         )
 
@@ -602,7 +509,7 @@ def _factor_grad_scatter(
             cj = ((slot // STRIDE) % F).to(tl.int32)
             acc += tl.where(c == cj[:, None], gj[:, None], 0.0)
     # A negative slot's remainder is negative: that slot selects no column, as in the dense form.
-    tl.store(out_row[:, None] + c, _to_dtype(acc, out_row.dtype.element_ty), mask=m2 & (c >= 0))
+    tl.store(out_row[:, None] + c, to_dtype(acc, out_row.dtype.element_ty), mask=m2 & (c >= 0))
 
 
 @triton.jit
@@ -674,7 +581,7 @@ def _product_key_topk_bwd(
     g_row = g_ptr + row * KK
     out_row = grad_ptr + row * W
     if ANY_SCATTER:
-        zeros = _to_dtype(tl.zeros((ZB,), tl.float32), grad_ptr.dtype.element_ty)
+        zeros = to_dtype(tl.zeros((ZB,), tl.float32), grad_ptr.dtype.element_ty)
         end = tl.minimum(first + ROWS, n_rows) * W
         for z0 in range(0, ROWS * W, ZB):
             at = first * W + z0 + tl.arange(0, ZB)

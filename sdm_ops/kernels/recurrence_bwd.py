@@ -42,49 +42,15 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ._common import chunk_grid
+from ._snapshot import BLOCK_D, SNAP_CODES, load_snapshot
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
-from .chunk_prepare import chunk_grid
-from .recurrence_fwd import BLOCK_D, SNAP_CODES, recurrence_fwd_geometry
+from .recurrence_fwd import recurrence_fwd_geometry
 
 _ROWS = 32
 _NUM_WARPS = 8
 _DUAL_WARPS = 4
 _DUAL_BLOCK_D = 32
-
-
-@triton.jit
-def _load_snapshot(
-    snap, snap_scale, ent, ok, c0, cols, D: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr
-):
-    """Dequantized snapshot rows [TB, EP, BD] of entries ``ent`` (flat int64 index)."""
-    if MODE == 0 or MODE == 1:
-        return tl.load(
-            snap + ent[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0.0
-        ).to(tl.float32)
-    else:
-        scale = tl.load(snap_scale + ent * (D // BD) + c0 // BD, mask=ok, other=0.0)
-        if MODE == 2:
-            bits = tl.load(
-                snap + ent[:, :, None] * D + cols[None, None, :], mask=ok[:, :, None], other=0
-            ).to(tl.int32)  # raw e4m3 bits
-            ex = (bits >> 3) & 15
-            mant = bits & 7
-            normal = (((ex + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
-            x = tl.where(ex == 0, mant.to(tl.float32) * 0.001953125, normal)
-            x = tl.where((bits & 0x80) != 0, -x, x)
-        else:
-            half = c0 // 2 + tl.arange(0, BD // 2)
-            byte = tl.load(
-                snap + ent[:, :, None] * (D // 2) + half[None, None, :],
-                mask=ok[:, :, None],
-                other=0,
-            ).to(tl.int32)
-            lo = (byte & 15) - 8
-            hi = (byte >> 4) - 8
-            TB: tl.constexpr = byte.shape[0]
-            EP: tl.constexpr = byte.shape[1]
-            x = tl.reshape(tl.join(lo, hi), (TB, EP, BD)).to(tl.float32)
-        return x * scale[:, :, None]
 
 
 @triton.jit
@@ -171,7 +137,7 @@ def _recurrence_bwd_kernel(
         # ... and its snapshot rows (the snapshot is read-only here, so the rows of the chunk
         # before can be in flight during a chunk's dependent chain).
         _, lok = bank_slots(next_w, lwm, S)
-        next_m0 = _load_snapshot(
+        next_m0 = load_snapshot(
             snap, snap_scale, snapshot_entries(ltok, 0, W + R, WP), lok, c0, rcols, D, BD, MODE
         )
     for nn in range(lo, hi):
@@ -200,7 +166,7 @@ def _recurrence_bwd_kernel(
             next_w = tl.load(write_idx + nwent, mask=nwm, other=-1).to(tl.int64)
             m0 = next_m0
             _, nok = bank_slots(next_w, nwm, S)
-            next_m0 = _load_snapshot(
+            next_m0 = load_snapshot(
                 snap, snap_scale, snapshot_entries(ntok, 0, W + R, WP), nok, c0, rcols, D, BD, MODE
             )
             rk = tl.load(rank + went, mask=ok, other=-1)
@@ -221,7 +187,7 @@ def _recurrence_bwd_kernel(
                     dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
                 ).to(tl.float32)
                 qxt = tl.load(QX + xo)
-                qrows = _load_snapshot(
+                qrows = load_snapshot(
                     snap,
                     snap_scale,
                     snapshot_entries(tok, W, W + R, RP),
@@ -283,7 +249,7 @@ def _recurrence_bwd_kernel(
                     mask=ok[:, :, None],
                     other=0.0,
                 )
-                m0 = _load_snapshot(
+                m0 = load_snapshot(
                     snap,
                     snap_scale,
                     snapshot_entries(tok, 0, W + R, WP),
@@ -339,7 +305,7 @@ def _recurrence_bwd_kernel(
                     mask=tok_ok[:, None],
                 )
                 dret = -bb[:, None] * duu
-                m0 = _load_snapshot(
+                m0 = load_snapshot(
                     snap,
                     snap_scale,
                     snapshot_entries(tok, 0, W + R, WP),
@@ -356,7 +322,7 @@ def _recurrence_bwd_kernel(
                 rrk = tl.load(read_rank + rent, mask=qok, other=0)
                 rpass = tl.maximum(rpass, tl.max(tl.max(tl.where(qok, rrk + 1, 0), 1), 0))
                 if HAS_DOUT:
-                    qrows = _load_snapshot(
+                    qrows = load_snapshot(
                         snap,
                         snap_scale,
                         snapshot_entries(tok, W, W + R, RP),

@@ -72,12 +72,10 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ..layout import QUANT_GROUP
-from ._common import sm_count
+from ._common import chunk_grid, sm_count
+from ._snapshot import BLOCK_D, SNAP_CODES, store_snapshot
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
-from .chunk_prepare import chunk_grid
 
-BLOCK_D = QUANT_GROUP  # columns per program: a program quantizes one snapshot group
 _ROWS = 32  # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
 _TILE = 8192  # entries x columns gathered at once
@@ -86,67 +84,6 @@ _OUT_WARPS = 4  # a chunk of 64 tokens; twice as many at 128
 # The SM count ``walk_forms_out`` assumes: None for the device's own (on the CPU none, so that
 # the interpreter takes the reference shape's path, out after the walk); tests set it.
 _WALK_SMS: int | None = None
-SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
-SNAP_CODES = {"none": SNAP_NONE, "bf16": SNAP_BF16, "fp8": SNAP_FP8, "int4": SNAP_INT4}
-
-
-@triton.jit
-def _e4m3_bits(x):
-    """float8_e4m3fn bits (int32) of float32 ``x`` in [-448, 448], rounded to nearest even.
-
-    Written out in integer arithmetic rather than ``x.to(tl.float8e4nv)`` so that the result is
-    the same on every backend (Triton's interpreter rounds fp8 differently from the GPU)."""
-    a = tl.abs(x)
-    bits = a.to(tl.int32, bitcast=True)
-    # Normal range (a >= 2^-6): keep 3 mantissa bits, round half to even; a carry moves the
-    # exponent, as it should.
-    r = bits + 0x7FFFF + ((bits >> 20) & 1)
-    normal = (((r >> 23) - 127 + 7) << 3) | ((r >> 20) & 7)
-    # Subnormal range: multiples of 2^-9.
-    y = a * 512.0
-    t = tl.floor(y)
-    f = y - t
-    ti = t.to(tl.int32)
-    sub = ti + ((f > 0.5) | ((f == 0.5) & ((ti & 1) == 1))).to(tl.int32)
-    code = tl.where(a >= 0.015625, normal, sub)
-    return tl.where(x.to(tl.int32, bitcast=True) < 0, code | 0x80, code)
-
-
-@triton.jit
-def _store_snapshot(
-    snap, snap_scale, ent, rows, ok, c0, cols, D: tl.constexpr, BD: tl.constexpr, MODE: tl.constexpr
-):
-    """Store gathered rows [TB, EP, BD] of entries ``ent`` [TB, EP] (int64 flat entry index)."""
-    if MODE == 0 or MODE == 1:
-        tl.store(
-            snap + ent[:, :, None] * D + cols[None, None, :],
-            rows.to(snap.dtype.element_ty),
-            mask=ok[:, :, None],
-        )
-    else:
-        amax = tl.max(tl.abs(rows), 2)
-        if MODE == 2:
-            scale = tl.where(amax > 0, amax / 448.0, 1.0)
-            x = rows / scale[:, :, None]
-            x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-            tl.store(
-                snap + ent[:, :, None] * D + cols[None, None, :],
-                _e4m3_bits(x).to(tl.uint8),
-                mask=ok[:, :, None],
-            )
-        else:
-            scale = tl.where(amax > 0, amax / 7.0, 1.0)
-            x = tl.floor(rows / scale[:, :, None] + 0.5)
-            q = (tl.minimum(tl.maximum(x, -7.0), 7.0) + 8.0).to(tl.int32)
-            TB: tl.constexpr = rows.shape[0]
-            EP: tl.constexpr = rows.shape[1]
-            lo, hi = tl.split(tl.reshape(q, (TB, EP, BD // 2, 2)))
-            byte = (lo | (hi << 4)).to(tl.uint8)
-            half = c0 // 2 + tl.arange(0, BD // 2)
-            tl.store(
-                snap + ent[:, :, None] * (D // 2) + half[None, None, :], byte, mask=ok[:, :, None]
-            )
-        tl.store(snap_scale + ent * (D // BD) + c0 // BD, scale, mask=ok)
 
 
 @triton.jit
@@ -334,7 +271,7 @@ def _recurrence_fwd_kernel(
             )
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
             if SNAPSHOT:
-                _store_snapshot(
+                store_snapshot(
                     snap,
                     snap_scale,
                     snapshot_entries(tok, 0, W + R, WP),
@@ -346,7 +283,7 @@ def _recurrence_fwd_kernel(
                     BD,
                     MODE,
                 )
-                _store_snapshot(
+                store_snapshot(
                     snap,
                     snap_scale,
                     snapshot_entries(tok, W, W + R, RP),
@@ -449,7 +386,7 @@ def _recurrence_fwd_kernel(
                     False,
                 )
                 if SNAPSHOT:
-                    _store_snapshot(
+                    store_snapshot(
                         snap,
                         snap_scale,
                         snapshot_entries(tok, 0, W + R, WP),
@@ -461,7 +398,7 @@ def _recurrence_fwd_kernel(
                         BD,
                         MODE,
                     )
-                    _store_snapshot(
+                    store_snapshot(
                         snap,
                         snap_scale,
                         snapshot_entries(tok, W, W + R, RP),
