@@ -302,14 +302,8 @@ class SparseDeltaMemory(nn.Module):
         a = self._inputs(x)
         bank = self.bank if state is None else state
         out, final = sparse_delta_memory(
-            a["v"],
-            a["beta"],
-            a["write_idx"],
-            a["write_w"],
-            a["read_idx"],
-            a["read_w"],
-            bank,
-            a["decay"],
+            **a,
+            bank=bank,
             chunk_size=self.chunk_size,
             snapshot=self.snapshot,
             cu_seqlens=cu_seqlens,
@@ -329,14 +323,8 @@ class SparseDeltaMemory(nn.Module):
         self._check_state(state, x, cu_seqlens, inplace=True)
         a = self._inputs(x)
         out = sparse_delta_memory_(
-            a["v"],
-            a["beta"],
-            a["write_idx"],
-            a["write_w"],
-            a["read_idx"],
-            a["read_w"],
-            state,
-            a["decay"],
+            **a,
+            bank=state,
             chunk_size=self.chunk_size,
             cu_seqlens=cu_seqlens,
         )

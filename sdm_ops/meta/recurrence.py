@@ -1,9 +1,9 @@
 """Fakes of the recurrence operators: the public ``sdm::sparse_delta_memory`` and
-``sdm::sparse_delta_memory_`` (composed from the internal ones' fakes), and the internal
-``sdm_internal::bank_copy``, ``varlen_chunks``, ``chunk_prepare``, ``recurrence_fwd``,
-``recurrence_fwd_``, ``decode_step_`` and the backwards.
-Shapes follow the launchers' allocations (all contiguous). ``chunks`` and ``seq_chunks``
-describe a packed batch (None otherwise)."""
+``sdm::sparse_delta_memory_``, and the internal ``sdm_internal::bank_copy``,
+``varlen_chunks``, ``chunk_prepare``, ``recurrence_fwd``, ``recurrence_fwd_``, ``decode_step_``
+and the backwards. Each takes the operator's arguments as one value ``a`` (the operator's
+``Args``, ``ops._define``). Shapes follow the launchers' allocations (all contiguous).
+``chunks`` and ``seq_chunks`` describe a packed batch (None otherwise)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,27 @@ def snapshot_layout(mode: str, bank: Tensor, B: int, T: int, H: int, E: int, D: 
     return (B, T, H, E, D // 2), torch.uint8, scales
 
 
-def bank_copy_fake(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
+def chunk_slots(B: int, T: int, C: int, chunks: Tensor | None) -> tuple[int, int]:
+    """The leading dimension and the chunk count of [., H, N, C, C] chunk tensors: (B, ceil(T /
+    C)), or (1, NC) for a packed batch (its chunk slots, ``reference.varlen_chunks``)."""
+    return (B, (T + C - 1) // C) if chunks is None else (1, chunks.shape[0])
+
+
+def bank_copy_fake(a) -> Tensor:
     """[banks, H, S, D] in the bank's dtype, from [banks, H, S, D] or shared [H, S, D]."""
+    return _banks(a.bank, a.banks)
+
+
+def _banks(bank: Tensor, banks: int) -> Tensor:
     return bank.new_empty((banks,) + tuple(bank.shape[-3:]))
 
 
-def varlen_chunks_fake(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+def varlen_chunks_fake(a) -> tuple[Tensor, Tensor]:
     """``chunks`` [ceil(T / C) + N, 2] and ``seq_chunks`` [N + 1], int64, for N sequences."""
+    return _tables(a.cu_seqlens, a.T, a.chunk_size)
+
+
+def _tables(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
     slots = (T + chunk_size - 1) // chunk_size + cu_seqlens.shape[0] - 1
     return (
         cu_seqlens.new_empty((slots, 2), dtype=torch.int64),
@@ -48,25 +62,21 @@ def varlen_chunks_fake(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Ten
     )
 
 
-def chunk_slots(B: int, T: int, C: int, chunks: Tensor | None) -> tuple[int, int]:
-    """The leading dimension and the chunk count of [., H, N, C, C] chunk tensors: (B, ceil(T /
-    C)), or (1, NC) for a packed batch (its chunk slots, ``reference.varlen_chunks``)."""
-    return (B, (T + C - 1) // C) if chunks is None else (1, chunks.shape[0])
+def chunk_prepare_fake(a) -> tuple[Tensor, ...]:
+    """The fields of ``layout.Prepared``."""
+    return _prepared(a.write_idx, a.write_w, a.read_idx, a.read_w, a.decay, a.chunk_size, a.chunks)
 
 
-def chunk_prepare_fake(
-    write_idx, write_w, read_idx, read_w, decay, bank_rows, chunk_size, chunks=None, seq_chunks=None
-):
+def _prepared(write_idx, write_w, read_idx, read_w, decay, C, chunks) -> tuple[Tensor, ...]:
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
-    C = chunk_size
     lead, N = chunk_slots(B, T, C, chunks)
     wd = weight_dtype(write_w, read_w, decay)
-    a = write_w.new_empty((lead, H, N, C, C), dtype=wd)
+    A = write_w.new_empty((lead, H, N, C, C), dtype=wd)
     e = write_w.new_empty((B, T, H, W), dtype=wd)
     return (
-        a,
-        a.new_empty(a.shape),
+        A,
+        A.new_empty(A.shape),
         e,
         write_w.new_empty((B, T, H, R), dtype=wd),
         e.new_empty(e.shape),
@@ -76,31 +86,17 @@ def chunk_prepare_fake(
     )
 
 
-def recurrence_fwd_fake(
-    v,
-    beta,
-    write_idx,
-    read_idx,
-    gather_w,
-    gather_r,
-    scatter_w,
-    row_decay,
-    rank,
-    read_rank,
-    X,
-    QX,
-    bank,
-    snapshot,
-    chunks=None,
-    seq_chunks=None,
-    write_src=None,
-    read_src=None,
-    row_slots=None,
-):
+def recurrence_fwd_fake(a) -> tuple[Tensor, ...]:
+    """(out, bank_out, snap, snap_scale, res, delta); without a snapshot (``SKIP_SNAPSHOT``)
+    the last four are empty."""
+    S = a.bank.shape[-2] if a.row_slots is None else a.row_slots.shape[1]
+    return _phase2(a.v, a.write_idx, a.read_idx, a.gather_w, a.bank, a.snapshot, a.seq_chunks, S)
+
+
+def _phase2(v, write_idx, read_idx, gather_w, bank, snapshot, seq_chunks, S) -> tuple[Tensor, ...]:
+    """``recurrence_fwd``'s outputs; S: the final state's rows, or the working set's."""
     B, T, H, D = v.shape
     banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
-    # The final state, or the working set's rows ([P, U] of row_slots) without one.
-    S = bank.shape[-2] if row_slots is None else row_slots.shape[1]
     E = write_idx.shape[-1] + read_idx.shape[-1]
     wd = weight_dtype(v, bank, gather_w)
     if snapshot == SKIP_SNAPSHOT:
@@ -125,133 +121,69 @@ def recurrence_fwd_fake(
     )
 
 
-def recurrence_fwd_inplace_fake(
-    bank,
-    v,
-    beta,
-    write_idx,
-    read_idx,
-    gather_w,
-    gather_r,
-    scatter_w,
-    row_decay,
-    rank,
-    X,
-    QX,
-    chunks=None,
-    seq_chunks=None,
-):
-    return v.new_empty(v.shape)
+def recurrence_fwd_inplace_fake(a) -> Tensor:
+    """out, in v's dtype (``recurrence_fwd_``; ``decode_step_``; ``sdm::sparse_delta_memory_``)."""
+    return a.v.new_empty(a.v.shape)
 
 
-def decode_step_fake(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None):
-    return v.new_empty(v.shape)
+decode_step_fake = sparse_delta_memory_inplace_fake = recurrence_fwd_inplace_fake
 
 
-def recurrence_bwd_fake(
-    beta,
-    write_idx,
-    read_idx,
-    gather_w,
-    gather_r,
-    scatter_w,
-    row_decay,
-    rank,
-    read_rank,
-    X,
-    QX,
-    res,
-    delta,
-    bank_rows,
-    snap,
-    snap_scale,
-    snapshot,
-    dout,
-    dbank_out,
-    v_dtype,
-    chunks=None,
-    seq_chunks=None,
-):
-    B, T, H, D = res.shape
-    banks = B if seq_chunks is None else seq_chunks.shape[0] - 1
-    wd = res.dtype
+def recurrence_bwd_fake(a) -> tuple[Tensor, ...]:
+    """(dv in v_dtype, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank)."""
+    B, T, H, D = a.res.shape
+    banks = B if a.seq_chunks is None else a.seq_chunks.shape[0] - 1
+    wd = a.res.dtype
     return (
-        res.new_empty((B, T, H, D), dtype=v_dtype),
-        res.new_empty((B, T, H), dtype=wd),
+        a.res.new_empty((B, T, H, D), dtype=a.v_dtype),
+        a.res.new_empty((B, T, H), dtype=wd),
         *(
             x.new_empty(x.shape, dtype=wd)
-            for x in (gather_w, gather_r, scatter_w, row_decay, X, QX)
+            for x in (a.gather_w, a.gather_r, a.scatter_w, a.row_decay, a.X, a.QX)
         ),
-        res.new_empty((banks, H, bank_rows, D), dtype=wd),
+        a.res.new_empty((banks, H, a.bank_rows, D), dtype=wd),
     )
 
 
-def chunk_prepare_backward_fake(
-    write_idx,
-    write_w,
-    read_idx,
-    read_w,
-    decay,
-    bank_rows,
-    dA,
-    dQK,
-    d_gather_w,
-    d_gather_r,
-    d_scatter_w,
-    d_row_decay,
-    chunks=None,
-    seq_chunks=None,
-):
-    wd = weight_dtype(write_w, read_w, decay)
+def chunk_prepare_backward_fake(a) -> tuple[Tensor, Tensor, Tensor]:
+    """(d_write_w, d_read_w, d_decay), d_decay empty without decay."""
+    wd = weight_dtype(a.write_w, a.read_w, a.decay)
     return (
-        write_w.new_empty(write_w.shape, dtype=wd),
-        read_w.new_empty(read_w.shape, dtype=wd),
-        write_w.new_empty(write_w.shape if decay is not None else (0,), dtype=wd),
+        a.write_w.new_empty(a.write_w.shape, dtype=wd),
+        a.read_w.new_empty(a.read_w.shape, dtype=wd),
+        a.write_w.new_empty(a.write_w.shape if a.decay is not None else (0,), dtype=wd),
     )
 
 
-def sparse_delta_memory_fake(
-    v,
-    beta,
-    write_idx,
-    write_w,
-    read_idx,
-    read_w,
-    bank,
-    decay=None,
-    chunk_size=64,
-    snapshot="none",
-    cu_seqlens=None,
-    output_final_state=False,
-    *,
-    keep_for_backward=True,
-):
+def sparse_delta_memory_fake(a) -> tuple[Tensor, Tensor, list[Tensor]]:
     """(out, bank_out, kept): ``kept`` as the operator's body fills it (``ops.KEPT_FOR_BACKWARD``
     and, for a packed batch, the chunk tables), from the fakes of the operators it runs; empty
     without ``keep_for_backward``."""
+    v, bank, cu_seqlens = a.v, a.bank, a.cu_seqlens
     B, T = v.shape[:2]
-    if not keep_for_backward:
+    if not a.keep_for_backward:
         banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        final = bank_copy_fake(bank, banks) if output_final_state else bank.new_empty(0)
+        final = _banks(bank, banks) if a.output_final_state else bank.new_empty(0)
         return v.new_empty(v.shape), final, []
-    tables = (None, None) if cu_seqlens is None else varlen_chunks_fake(cu_seqlens, T, chunk_size)
-    prep = chunk_prepare_fake(
-        write_idx, write_w, read_idx, read_w, decay, bank.shape[-2], chunk_size, *tables
+    chunks, seq_chunks = (
+        (None, None) if cu_seqlens is None else _tables(cu_seqlens, T, a.chunk_size)
     )
+    prep = _prepared(a.write_idx, a.write_w, a.read_idx, a.read_w, a.decay, a.chunk_size, chunks)
     A = prep[0]
     X, QX = A.new_empty(A.shape), A.new_empty(A.shape)
-    out, bank_out, *saved = recurrence_fwd_fake(
-        v, beta, write_idx, read_idx, *prep[2:], X, QX, bank, snapshot, *tables
+    S = bank.shape[-2]
+    out, bank_out, *saved = _phase2(
+        v, a.write_idx, a.read_idx, prep[2], bank, a.snapshot, seq_chunks, S
     )
     kept = [*prep, X, QX, *saved]
     if cu_seqlens is not None:
-        kept += tables
-    if output_final_state:
+        kept += [chunks, seq_chunks]
+    if a.output_final_state:
         return out, bank_out, kept
-    return out, bank.new_empty(0), kept + working_rows_fake(write_idx, read_idx, bank, cu_seqlens)
+    return out, bank.new_empty(0), kept + _working_rows(a.write_idx, a.read_idx, bank, cu_seqlens)
 
 
-def working_rows_fake(write_idx, read_idx, bank, cu_seqlens):
+def _working_rows(write_idx, read_idx, bank, cu_seqlens) -> list[Tensor]:
     """``working_set.working_rows``' outputs: the entries' rows and the rows' slots
     ``[P, U]`` (int64)."""
     B, T, H, W = write_idx.shape
@@ -264,13 +196,8 @@ def working_rows_fake(write_idx, read_idx, bank, cu_seqlens):
     ]
 
 
-def sparse_delta_memory_inplace_fake(
-    v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None, chunk_size=64, cu_seqlens=None
-):
-    return v.new_empty(v.shape)
-
-
-def rows_to_bank_fake(grad_rows, row_slots, bank_rows, shared):
+def rows_to_bank_fake(a) -> Tensor:
     """``[banks, H, S, D]`` from ``grad_rows [banks, H, U, D]``, or ``[H, S, D]`` if shared."""
-    banks, H, _, D = grad_rows.shape
-    return grad_rows.new_empty((H, bank_rows, D) if shared else (banks, H, bank_rows, D))
+    banks, H, _, D = a.grad_rows.shape
+    S = a.bank_rows
+    return a.grad_rows.new_empty((H, S, D) if a.shared else (banks, H, S, D))

@@ -1,21 +1,32 @@
-"""How an operator with a CPU twin is defined: its signature written once.
+"""How an operator is declared: its signature written once.
 
-``kernel_op`` takes a declaration, a function whose annotated signature is the operator's and
-whose docstring states its contract, and derives everything else from that one signature:
+An operator's body is declared by a function whose annotated signature is the operator's and
+whose docstring states its contract. ``arguments`` makes from that signature ``Args``, a
+NamedTuple of the operator's arguments by name (with its defaults); the fake of
+``sdm_ops.meta``, and the kernel and CPU paths below, take the arguments as that one value
+``a``, so none of them writes the signature again (``register_fake``).
 
-* ``Args``, a NamedTuple of the operator's arguments by name (with its defaults), which the
-  kernel path and the CPU path take as their one argument ``a``;
-* the body: ``kernels(a)`` where ``use_kernels`` says so for the argument named ``on`` (CUDA
-  tensors, or CPU tensors inside ``kernels_on_cpu``), otherwise the CPU twin;
-* the operator ``<namespace>::<name>``, a ``torch.library.triton_op`` of the body, with its
-  fake from ``sdm_ops.meta``;
-* the CPU twin ``sdm_internal::<twin>_reference``, an opaque ``custom_op`` of the same schema
-  running ``reference(a)``, with the same fake.
+``define_op`` registers an operator whose body calls other operators' bodies (the public
+recurrence operators); ``kernel_op`` declares an operator with a CPU twin:
 
-The twin is opaque because torch.compile traces a triton_op's body (also on the CPU, even with a
-CPU kernel registered, so the device branch belongs inside the body): tracing the reference
-itself would unroll its loop over chunks, a recompilation for every chunk count, where an
-opaque operator with a fake compiles once for all shapes.
+    @kernel_op("sdm_internal::name", on="x", fake=meta.name_fake)
+    def _name(x: Tensor, ...) -> Tensor:
+        '''The contract.'''
+
+    @_name.kernels
+    def _name_kernels(a): ...      # launches the Triton kernels
+
+    @_name.reference
+    def _name_cpu(a): ...          # the reference of sdm_ops.reference
+
+The declaration becomes the body of the operator ``name`` (``_name.op``, a
+``torch.library.triton_op``): ``kernels(a)`` where ``use_kernels`` says so for the argument
+``on`` (CUDA tensors, or CPU tensors inside ``kernels_on_cpu``), otherwise the CPU twin
+``sdm_internal::<name>_reference``, an opaque ``custom_op`` of the same schema running
+``reference(a)``. The twin is opaque because torch.compile traces a triton_op's body (also on
+the CPU, even with a CPU kernel registered, so the device branch belongs inside the body):
+tracing the reference itself would unroll its loop over chunks, a recompilation for every chunk
+count, where an opaque operator with a fake compiles once for all shapes.
 """
 
 from __future__ import annotations
@@ -35,58 +46,82 @@ PUBLIC = "sdm"
 INTERNAL = "sdm_internal"
 
 
+def arguments(declaration: Callable) -> tuple[inspect.Signature, type]:
+    """(signature, Args) of ``declaration``: its signature with the annotations evaluated, and
+    a NamedTuple of its parameters, in order, with their defaults."""
+    signature = inspect.signature(declaration, eval_str=True)
+    params = signature.parameters.values()
+    Args = collections.namedtuple(
+        f"{declaration.__name__.strip('_')}_args",
+        [p.name for p in params],
+        defaults=[p.default for p in params if p.default is not p.empty],
+    )
+    return signature, Args
+
+
+def register_fake(op, fake: Callable[[Any], Any], Args: type) -> None:
+    """Register ``fake``, a function of the arguments as one ``Args``, as ``op``'s fake."""
+    op.register_fake(lambda *args, **kwargs: fake(Args(*args, **kwargs)))
+
+
+def define_op(
+    qualname: str, body: Callable, *, fake: Callable[[Any], Any], mutates_args: tuple[str, ...] = ()
+):
+    """The operator ``qualname`` (a ``torch.library.triton_op``) whose body is ``body``, with
+    ``fake``, a function of the arguments as one value (``register_fake``)."""
+    op = triton_op(qualname, mutates_args=mutates_args)(body)
+    register_fake(op, fake, arguments(body)[1])
+    return op
+
+
 def kernel_op(
     qualname: str,
     *,
     on: str,
-    kernels: Callable[[Any], Any],
-    reference: Callable[[Any], Any],
-    fake: Callable,
+    fake: Callable[[Any], Any],
     mutates_args: tuple[str, ...] = (),
     twin: str | None = None,
     contiguous: bool = False,
 ) -> Callable[[Callable], Callable]:
     """A decorator turning a declaration into the body of the operator ``qualname``
-    (``"sdm::name"`` or ``"sdm_internal::name"``), registered with its CPU twin (named
-    ``twin`` or the operator's own name, then ``_reference``) as the module docstring says.
-    With ``contiguous`` the body makes its tensor arguments contiguous first (the public
-    operators take any dense layout). The body keeps the declaration's name, signature and
-    docstring; ``body.op`` is the operator and ``body.Args`` the arguments' NamedTuple."""
+    (``"sdm::name"`` or ``"sdm_internal::name"``) with a CPU twin named ``twin`` (default: the
+    operator's name), then ``_reference``, as the module docstring shows. With ``contiguous``
+    the body makes its tensor arguments contiguous first (the public operators take any dense
+    layout). The body keeps the declaration's name, signature and docstring; ``body.op`` is the
+    operator, ``body.Args`` the arguments' NamedTuple, ``body.kernels`` and ``body.reference``
+    the decorators that give it its two paths."""
+    name = qualname.split("::")[1]
 
     def define(declaration: Callable) -> Callable:
-        signature = inspect.signature(declaration, eval_str=True)
-        params = signature.parameters.values()
-        Args = collections.namedtuple(
-            f"{declaration.__name__.strip('_')}_args",
-            [p.name for p in params],
-            defaults=[p.default for p in params if p.default is not p.empty],
-        )
-
-        def run_reference(*args, **kwargs):
-            return reference(Args(*args, **kwargs))
-
-        name = qualname.split("::")[1]
-        reference_op = custom_op(
-            f"{INTERNAL}::{twin or name}_reference",
-            run_reference,
-            mutates_args=mutates_args,
-            schema=infer_schema(declaration, mutates_args=mutates_args),
-        )
-        reference_op.register_fake(fake)
+        signature, Args = arguments(declaration)
+        paths: dict[str, Callable] = {}
 
         def body(*args, **kwargs):
             a = Args(*args, **kwargs)
             if contiguous:
                 a = Args._make(x.contiguous() if isinstance(x, Tensor) else x for x in a)
             if use_kernels(getattr(a, on)):
-                return kernels(a)
-            return reference_op(*a)
+                return paths["kernels"](a)
+            return paths["twin"](*a)
+
+        def kernels(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            paths["kernels"] = fn
+            return fn
+
+        def reference(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+            paths["twin"] = twin_op = custom_op(
+                f"{INTERNAL}::{twin or name}_reference",
+                lambda *args, **kwargs: fn(Args(*args, **kwargs)),
+                mutates_args=mutates_args,
+                schema=infer_schema(declaration, mutates_args=mutates_args),
+            )
+            register_fake(twin_op, fake, Args)
+            return fn
 
         functools.update_wrapper(body, declaration)
         body.__signature__ = signature
-        body.Args = Args
-        body.op = triton_op(qualname, mutates_args=mutates_args)(body)
-        body.op.register_fake(fake)
+        body.Args, body.kernels, body.reference = Args, kernels, reference
+        body.op = define_op(qualname, body, fake=fake, mutates_args=mutates_args)
         return body
 
     return define

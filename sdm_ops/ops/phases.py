@@ -43,31 +43,27 @@ def _prepared(a) -> layout.Prepared:
 # ---------------------------------------------------------------------------
 
 
+@kernel_op("sdm_internal::varlen_chunks", on="cu_seqlens", fake=meta.varlen_chunks_fake)
+def _varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The chunk tables of a packed batch, (chunks [NC, 2], seq_chunks [N + 1]) int64, which
+    every operator of the recurrence takes; see ``reference.varlen_chunks`` (any offsets give
+    tables inside the batch, so compiled code needs no check of ``cu_seqlens``)."""
+
+
+@_varlen_chunks.kernels
 def _varlen_chunks_kernels(a) -> tuple[Tensor, Tensor]:
     from ..kernels import varlen as k
 
-    chunks, seq_chunks = meta.varlen_chunks_fake(*a)
+    chunks, seq_chunks = meta.varlen_chunks_fake(a)
     with on_device(a.cu_seqlens):
         k.varlen_chunks(*a, chunks, seq_chunks)
     return chunks, seq_chunks
 
 
+@_varlen_chunks.reference
 def _varlen_chunks_cpu(a) -> tuple[Tensor, Tensor]:
     chunks, seq_chunks = reference.varlen_chunks(*a)
     return chunks.contiguous(), seq_chunks.contiguous()
-
-
-@kernel_op(
-    "sdm_internal::varlen_chunks",
-    on="cu_seqlens",
-    kernels=_varlen_chunks_kernels,
-    reference=_varlen_chunks_cpu,
-    fake=meta.varlen_chunks_fake,
-)
-def _varlen_chunks(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """The chunk tables of a packed batch, (chunks [NC, 2], seq_chunks [N + 1]) int64, which
-    every operator of the recurrence takes; see ``reference.varlen_chunks`` (any offsets give
-    tables inside the batch, so compiled code needs no check of ``cu_seqlens``)."""
 
 
 varlen_chunks = _varlen_chunks.op
@@ -78,30 +74,7 @@ varlen_chunks = _varlen_chunks.op
 # ---------------------------------------------------------------------------
 
 
-def _chunk_prepare_kernels(a) -> tuple[Tensor, ...]:
-    from ..kernels import chunk_prepare as k
-
-    outs = meta.chunk_prepare_fake(*a)
-    with on_device(a.write_idx):
-        k.chunk_prepare(*a[:-1], *outs)  # all but seq_chunks
-    return outs
-
-
-def _chunk_prepare_cpu(a) -> tuple[Tensor, ...]:
-    if a.chunks is not None:
-        prep = reference.chunk_prepare_varlen_reference(*a)
-    else:
-        prep = reference.chunk_prepare_reference(*a[:-2])
-    return tuple(x.contiguous() for x in prep)
-
-
-@kernel_op(
-    "sdm_internal::chunk_prepare",
-    on="write_idx",
-    kernels=_chunk_prepare_kernels,
-    reference=_chunk_prepare_cpu,
-    fake=meta.chunk_prepare_fake,
-)
+@kernel_op("sdm_internal::chunk_prepare", on="write_idx", fake=meta.chunk_prepare_fake)
 def _chunk_prepare(
     write_idx: Tensor,
     write_w: Tensor,
@@ -117,6 +90,25 @@ def _chunk_prepare(
     row_decay, rank, read_rank); see ``kernels/chunk_prepare.py`` for the math and layouts."""
 
 
+@_chunk_prepare.kernels
+def _chunk_prepare_kernels(a) -> tuple[Tensor, ...]:
+    from ..kernels import chunk_prepare as k
+
+    outs = meta.chunk_prepare_fake(a)
+    with on_device(a.write_idx):
+        k.chunk_prepare(*a[:-1], *outs)  # all but seq_chunks
+    return outs
+
+
+@_chunk_prepare.reference
+def _chunk_prepare_cpu(a) -> tuple[Tensor, ...]:
+    if a.chunks is not None:
+        prep = reference.chunk_prepare_varlen_reference(*a)
+    else:
+        prep = reference.chunk_prepare_reference(*a[:-2])
+    return tuple(x.contiguous() for x in prep)
+
+
 chunk_prepare = _chunk_prepare.op
 
 
@@ -125,32 +117,28 @@ chunk_prepare = _chunk_prepare.op
 # ---------------------------------------------------------------------------
 
 
-def _bank_copy_kernels(a) -> Tensor:
-    from ..kernels import bank_copy as k
-
-    bank_out = meta.bank_copy_fake(*a)
-    with on_device(a.bank):
-        k.bank_copy(a.bank, bank_out, a.programs)
-    return bank_out
-
-
-def _bank_copy_cpu(a) -> Tensor:
-    return a.bank.expand(a.banks, *a.bank.shape[-3:]).clone(memory_format=torch.contiguous_format)
-
-
-@kernel_op(
-    "sdm_internal::bank_copy",
-    on="bank",
-    kernels=_bank_copy_kernels,
-    reference=_bank_copy_cpu,
-    fake=meta.bank_copy_fake,
-)
+@kernel_op("sdm_internal::bank_copy", on="bank", fake=meta.bank_copy_fake)
 def _bank_copy(bank: Tensor, banks: int, programs: int = 0) -> Tensor:
     """The per-stream copy [banks, H, S, D] (contiguous) of an initial bank, [banks, H, S, D]
     or shared [H, S, D]: the state phase 2 updates in place and returns. A kernel rather than
     a memcpy (see ``kernels/bank_copy.py``); not differentiable (the inference forward's).
     ``programs`` > 0 bounds the kernel's programs a bank, for a copy run beside other kernels
     (the same result)."""
+
+
+@_bank_copy.kernels
+def _bank_copy_kernels(a) -> Tensor:
+    from ..kernels import bank_copy as k
+
+    bank_out = meta.bank_copy_fake(a)
+    with on_device(a.bank):
+        k.bank_copy(a.bank, bank_out, a.programs)
+    return bank_out
+
+
+@_bank_copy.reference
+def _bank_copy_cpu(a) -> Tensor:
+    return a.bank.expand(a.banks, *a.bank.shape[-3:]).clone(memory_format=torch.contiguous_format)
 
 
 bank_copy = _bank_copy.op
@@ -161,82 +149,7 @@ bank_copy = _bank_copy.op
 # ---------------------------------------------------------------------------
 
 
-def _recurrence_fwd_kernels(a) -> tuple[Tensor, ...]:
-    from ..kernels import bank_copy as kc
-    from ..kernels import recurrence_fwd as k
-
-    out, bank_out, snap, snap_scale, res, delta = meta.recurrence_fwd_fake(*a)
-    # Each row's first writing chunk: [streams, S], or row_slots' [P, U] on a working set.
-    first = a.write_idx.new_empty(bank_out.shape[:2].numel(), bank_out.shape[2], dtype=torch.int32)
-    keep = a.snapshot != SKIP_SNAPSHOT
-    with on_device(a.v):
-        kc.first_writes(a.write_idx, a.X.shape[-1], a.chunks, a.seq_chunks, first)
-        if a.row_slots is None:
-            # Phase 2 reads each row from the input bank until its stream first writes it, so
-            # only the rows that no chunk writes are copied.
-            kc.bank_copy_unwritten(a.bank, bank_out, first)
-        k.recurrence_fwd(
-            v=a.v,
-            beta=a.beta,
-            write_idx=a.write_idx,
-            read_idx=a.read_idx,
-            gather_w=a.gather_w,
-            gather_r=a.gather_r,
-            scatter_w=a.scatter_w,
-            row_decay=a.row_decay,
-            rank=a.rank,
-            X=a.X,
-            QX=a.QX,
-            bank=bank_out,
-            out=out,
-            res=res if keep else None,
-            delta=delta if keep else None,
-            snap=snap,
-            snap_scale=snap_scale,
-            snapshot=a.snapshot if keep else None,
-            chunks=a.chunks,
-            seq_chunks=a.seq_chunks,
-            source=a.bank,
-            first=first,
-            write_src=a.write_src,
-            read_src=a.read_src,
-        )
-    return out, bank_out, snap, snap_scale, res, delta
-
-
-def _recurrence_fwd_cpu(a) -> tuple[Tensor, ...]:
-    """The reference, on the working set's rows (gathered from the bank) when given
-    ``row_slots``."""
-    bank = a.bank
-    if a.row_slots is not None:
-        banks = a.v.shape[0] if a.seq_chunks is None else a.seq_chunks.shape[0] - 1
-        bank = working_set.gather_rows(bank, a.row_slots, banks, a.v.shape[2])
-    mode = "none" if a.snapshot == SKIP_SNAPSHOT else a.snapshot
-    args = (a.v, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, bank, mode)
-    if a.chunks is not None:
-        res = reference.recurrence_fwd_varlen_reference(*args, a.chunks, a.seq_chunks)
-    else:
-        res = reference.recurrence_fwd_reference(*args)
-    out, bank_out, snap, snap_scale, resid, delta = res
-    if a.snapshot == SKIP_SNAPSHOT:
-        snap, snap_scale, resid, delta = (x.new_empty(0) for x in (snap, snap_scale, resid, delta))
-    return (
-        out.to(a.v.dtype).contiguous(),
-        bank_out.to(bank.dtype).contiguous(),
-        snap.contiguous(),
-        snap_scale.contiguous(),
-        resid.contiguous(),
-        delta.contiguous(),
-    )
-
-
-@kernel_op(
-    "sdm_internal::recurrence_fwd",
-    on="v",
-    kernels=_recurrence_fwd_kernels,
-    reference=_recurrence_fwd_cpu,
-    fake=meta.recurrence_fwd_fake,
-)
+@kernel_op("sdm_internal::recurrence_fwd", on="v", fake=meta.recurrence_fwd_fake)
 def _recurrence_fwd(
     v: Tensor,
     beta: Tensor,
@@ -271,6 +184,69 @@ def _recurrence_fwd(
     snapshot, and snap, snap_scale, res and delta are empty (a forward without backward)."""
 
 
+@_recurrence_fwd.kernels
+def _recurrence_fwd_kernels(a) -> tuple[Tensor, ...]:
+    from ..kernels import bank_copy as kc
+    from ..kernels import recurrence_fwd as k
+
+    out, bank_out, snap, snap_scale, res, delta = meta.recurrence_fwd_fake(a)
+    # Each row's first writing chunk: [streams, S], or row_slots' [P, U] on a working set.
+    first = a.write_idx.new_empty(bank_out.shape[:2].numel(), bank_out.shape[2], dtype=torch.int32)
+    keep = a.snapshot != SKIP_SNAPSHOT
+    with on_device(a.v):
+        kc.first_writes(a.write_idx, a.X.shape[-1], a.chunks, a.seq_chunks, first)
+        if a.row_slots is None:
+            # Phase 2 reads each row from the input bank until its stream first writes it, so
+            # only the rows that no chunk writes are copied.
+            kc.bank_copy_unwritten(a.bank, bank_out, first)
+        k.recurrence_fwd(
+            *a[:9],  # v .. rank
+            a.X,
+            a.QX,
+            bank_out,
+            out,
+            res=res if keep else None,
+            delta=delta if keep else None,
+            snap=snap,
+            snap_scale=snap_scale,
+            snapshot=a.snapshot if keep else None,
+            chunks=a.chunks,
+            seq_chunks=a.seq_chunks,
+            source=a.bank,
+            first=first,
+            write_src=a.write_src,
+            read_src=a.read_src,
+        )
+    return out, bank_out, snap, snap_scale, res, delta
+
+
+@_recurrence_fwd.reference
+def _recurrence_fwd_cpu(a) -> tuple[Tensor, ...]:
+    """The reference, on the working set's rows (gathered from the bank) when given
+    ``row_slots``."""
+    bank = a.bank
+    if a.row_slots is not None:
+        banks = a.v.shape[0] if a.seq_chunks is None else a.seq_chunks.shape[0] - 1
+        bank = working_set.gather_rows(bank, a.row_slots, banks, a.v.shape[2])
+    mode = "none" if a.snapshot == SKIP_SNAPSHOT else a.snapshot
+    args = (a.v, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, bank, mode)
+    if a.chunks is not None:
+        res = reference.recurrence_fwd_varlen_reference(*args, a.chunks, a.seq_chunks)
+    else:
+        res = reference.recurrence_fwd_reference(*args)
+    out, bank_out, snap, snap_scale, resid, delta = res
+    if a.snapshot == SKIP_SNAPSHOT:
+        snap, snap_scale, resid, delta = (x.new_empty(0) for x in (snap, snap_scale, resid, delta))
+    return (
+        out.to(a.v.dtype).contiguous(),
+        bank_out.to(bank.dtype).contiguous(),
+        snap.contiguous(),
+        snap_scale.contiguous(),
+        resid.contiguous(),
+        delta.contiguous(),
+    )
+
+
 recurrence_fwd = _recurrence_fwd.op
 
 
@@ -279,45 +255,11 @@ recurrence_fwd = _recurrence_fwd.op
 # ---------------------------------------------------------------------------
 
 
-def _recurrence_fwd_inplace_kernels(a) -> Tensor:
-    from ..kernels import recurrence_fwd as k
-
-    out = meta.recurrence_fwd_inplace_fake(*a)
-    with on_device(a.v):
-        k.recurrence_fwd(
-            *a[1:12],  # v .. QX
-            a.bank,
-            out,
-            res=None,
-            delta=None,
-            snap=None,
-            snap_scale=None,
-            snapshot=None,
-            chunks=a.chunks,
-            seq_chunks=a.seq_chunks,
-        )
-    return out
-
-
-def _recurrence_fwd_inplace_cpu(a) -> Tensor:
-    args = (a.v, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, a.bank)
-    if a.chunks is not None:
-        out, bank_out = reference.recurrence_fwd_varlen_reference(
-            *args, "none", a.chunks, a.seq_chunks
-        )[:2]
-    else:
-        out, bank_out = reference.recurrence_fwd_reference(*args)[:2]
-    a.bank.copy_(bank_out)
-    return out.to(a.v.dtype).contiguous()
-
-
 @kernel_op(
     "sdm_internal::recurrence_fwd_",
     on="v",
     mutates_args=("bank",),
     twin="recurrence_fwd_inplace",
-    kernels=_recurrence_fwd_inplace_kernels,
-    reference=_recurrence_fwd_inplace_cpu,
     fake=meta.recurrence_fwd_inplace_fake,
 )
 def _recurrence_fwd_(
@@ -340,6 +282,40 @@ def _recurrence_fwd_(
     out [B, T, H, D] in v's dtype."""
 
 
+@_recurrence_fwd_.kernels
+def _recurrence_fwd_inplace_kernels(a) -> Tensor:
+    from ..kernels import recurrence_fwd as k
+
+    out = meta.recurrence_fwd_inplace_fake(a)
+    with on_device(a.v):
+        k.recurrence_fwd(
+            *a[1:12],  # v .. QX
+            a.bank,
+            out,
+            res=None,
+            delta=None,
+            snap=None,
+            snap_scale=None,
+            snapshot=None,
+            chunks=a.chunks,
+            seq_chunks=a.seq_chunks,
+        )
+    return out
+
+
+@_recurrence_fwd_.reference
+def _recurrence_fwd_inplace_cpu(a) -> Tensor:
+    args = (a.v, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, a.bank)
+    if a.chunks is not None:
+        out, bank_out = reference.recurrence_fwd_varlen_reference(
+            *args, "none", a.chunks, a.seq_chunks
+        )[:2]
+    else:
+        out, bank_out = reference.recurrence_fwd_reference(*args)[:2]
+    a.bank.copy_(bank_out)
+    return out.to(a.v.dtype).contiguous()
+
+
 recurrence_fwd_ = _recurrence_fwd_.op
 
 
@@ -348,35 +324,11 @@ recurrence_fwd_ = _recurrence_fwd_.op
 # ---------------------------------------------------------------------------
 
 
-def _decode_step_kernels(a) -> Tensor:
-    from ..kernels import decode_step as k
-
-    out = meta.decode_step_fake(*a)
-    with on_device(a.v):
-        k.decode_step(**a._asdict(), out=out)
-    return out
-
-
-def _decode_step_cpu(a) -> Tensor:
-    """The reference, stored into ``bank``."""
-    out, new, slot = reference.decode_step_reference(*a)
-    B, H, S, D = a.bank.shape
-    slot = slot.reshape(B * H, -1)
-    keep = slot >= 0
-    stream = torch.arange(B * H, device=a.bank.device)[:, None].expand_as(slot)
-    # Entries on one slot carry the same new row, so the order of the stores does not matter.
-    rows = new.reshape(B * H, -1, D)[keep].to(a.bank.dtype)
-    a.bank.view(B * H, S, D)[stream[keep], slot[keep]] = rows
-    return out.to(a.v.dtype).contiguous()
-
-
 @kernel_op(
     "sdm_internal::decode_step_",
     on="v",
     mutates_args=("bank",),
     twin="decode_step_inplace",
-    kernels=_decode_step_kernels,
-    reference=_decode_step_cpu,
     fake=meta.decode_step_fake,
 )
 def _decode_step(
@@ -393,6 +345,30 @@ def _decode_step(
     and in one launch; returns out [B, 1, H, D] in v's dtype. See ``kernels/decode_step.py``."""
 
 
+@_decode_step.kernels
+def _decode_step_kernels(a) -> Tensor:
+    from ..kernels import decode_step as k
+
+    out = meta.decode_step_fake(a)
+    with on_device(a.v):
+        k.decode_step(**a._asdict(), out=out)
+    return out
+
+
+@_decode_step.reference
+def _decode_step_cpu(a) -> Tensor:
+    """The reference, stored into ``bank``."""
+    out, new, slot = reference.decode_step_reference(*a)
+    B, H, S, D = a.bank.shape
+    slot = slot.reshape(B * H, -1)
+    keep = slot >= 0
+    stream = torch.arange(B * H, device=a.bank.device)[:, None].expand_as(slot)
+    # Entries on one slot carry the same new row, so the order of the stores does not matter.
+    rows = new.reshape(B * H, -1, D)[keep].to(a.bank.dtype)
+    a.bank.view(B * H, S, D)[stream[keep], slot[keep]] = rows
+    return out.to(a.v.dtype).contiguous()
+
+
 decode_step_ = _decode_step.op
 
 
@@ -401,53 +377,7 @@ decode_step_ = _decode_step.op
 # ---------------------------------------------------------------------------
 
 
-def _recurrence_bwd_kernels(a) -> tuple[Tensor, ...]:
-    from ..kernels import bank_copy as kc
-    from ..kernels import recurrence_bwd as k
-
-    dv, dbeta, _, _, _, _, dX, dQX, dbank = meta.recurrence_bwd_fake(*a)
-    with on_device(a.res):
-        if a.dbank_out is None:
-            dbank.zero_()
-        else:
-            kc.bank_copy(a.dbank_out, dbank)
-        dgw, dgr, dsw, drd = k.recurrence_bwd(
-            *a[:13],  # beta .. delta
-            snap=a.snap,
-            snap_scale=a.snap_scale,
-            snapshot=a.snapshot,
-            dout=a.dout,
-            dbank=dbank,
-            dv=dv,
-            dX=dX,
-            dQX=dQX,
-            dbeta=dbeta,
-            chunks=a.chunks,
-            seq_chunks=a.seq_chunks,
-        )
-    return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
-
-
-def _recurrence_bwd_cpu(a) -> tuple[Tensor, ...]:
-    B, T, H, D = a.res.shape
-    v_like = a.res.new_empty((B, T, H, D))
-    args = (v_like, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, a.bank_rows)
-    saved = (a.snap, a.snap_scale, a.snapshot, a.res, a.delta, a.dout, a.dbank_out)
-    if a.chunks is not None:
-        grads = reference.recurrence_bwd_varlen_reference(*args, *saved, a.chunks, a.seq_chunks)
-    else:
-        grads = reference.recurrence_bwd_reference(*args, *saved)
-    dv, rest = grads[0].to(a.v_dtype), grads[1:]
-    return (dv.contiguous(),) + tuple(g.contiguous() for g in rest)
-
-
-@kernel_op(
-    "sdm_internal::recurrence_bwd",
-    on="res",
-    kernels=_recurrence_bwd_kernels,
-    reference=_recurrence_bwd_cpu,
-    fake=meta.recurrence_bwd_fake,
-)
+@kernel_op("sdm_internal::recurrence_bwd", on="res", fake=meta.recurrence_bwd_fake)
 def _recurrence_bwd(
     beta: Tensor,
     write_idx: Tensor,
@@ -478,6 +408,48 @@ def _recurrence_bwd(
     ``kernels/recurrence_bwd.py``."""
 
 
+@_recurrence_bwd.kernels
+def _recurrence_bwd_kernels(a) -> tuple[Tensor, ...]:
+    from ..kernels import bank_copy as kc
+    from ..kernels import recurrence_bwd as k
+
+    dv, dbeta, _, _, _, _, dX, dQX, dbank = meta.recurrence_bwd_fake(a)
+    with on_device(a.res):
+        if a.dbank_out is None:
+            dbank.zero_()
+        else:
+            kc.bank_copy(a.dbank_out, dbank)
+        dgw, dgr, dsw, drd = k.recurrence_bwd(
+            *a[:13],  # beta .. delta
+            snap=a.snap,
+            snap_scale=a.snap_scale,
+            snapshot=a.snapshot,
+            dout=a.dout,
+            dbank=dbank,
+            dv=dv,
+            dX=dX,
+            dQX=dQX,
+            dbeta=dbeta,
+            chunks=a.chunks,
+            seq_chunks=a.seq_chunks,
+        )
+    return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
+
+
+@_recurrence_bwd.reference
+def _recurrence_bwd_cpu(a) -> tuple[Tensor, ...]:
+    B, T, H, D = a.res.shape
+    v_like = a.res.new_empty((B, T, H, D))
+    args = (v_like, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, a.bank_rows)
+    saved = (a.snap, a.snap_scale, a.snapshot, a.res, a.delta, a.dout, a.dbank_out)
+    if a.chunks is not None:
+        grads = reference.recurrence_bwd_varlen_reference(*args, *saved, a.chunks, a.seq_chunks)
+    else:
+        grads = reference.recurrence_bwd_reference(*args, *saved)
+    dv, rest = grads[0].to(a.v_dtype), grads[1:]
+    return (dv.contiguous(),) + tuple(g.contiguous() for g in rest)
+
+
 recurrence_bwd = _recurrence_bwd.op
 
 
@@ -486,32 +458,28 @@ recurrence_bwd = _recurrence_bwd.op
 # ---------------------------------------------------------------------------
 
 
+@kernel_op("sdm_internal::rows_to_bank", on="grad_rows", fake=meta.rows_to_bank_fake)
+def _rows_to_bank(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: bool) -> Tensor:
+    """The bank's gradient from the working set's: ``grad_rows [banks, H, U, D]`` (its rows'
+    slots ``row_slots [banks * H, U]``) placed at their slots of a zeroed ``[banks, H, S, D]``
+    (S = ``bank_rows``), or with ``shared`` summed over the banks, in order, into
+    ``[H, S, D]``; see ``kernels/working_set.py``."""
+
+
+@_rows_to_bank.kernels
 def _rows_to_bank_kernels(a) -> Tensor:
     from ..kernels import working_set as k
 
-    dst = meta.rows_to_bank_fake(*a)
+    dst = meta.rows_to_bank_fake(a)
     with on_device(a.grad_rows):
         dst.zero_()
         k.rows_to_bank(a.grad_rows, a.row_slots, dst)
     return dst
 
 
+@_rows_to_bank.reference
 def _rows_to_bank_cpu(a) -> Tensor:
     return working_set.rows_to_bank_reference(*a, *a.grad_rows.shape[:2])
-
-
-@kernel_op(
-    "sdm_internal::rows_to_bank",
-    on="grad_rows",
-    kernels=_rows_to_bank_kernels,
-    reference=_rows_to_bank_cpu,
-    fake=meta.rows_to_bank_fake,
-)
-def _rows_to_bank(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: bool) -> Tensor:
-    """The bank's gradient from the working set's: ``grad_rows [banks, H, U, D]`` (its rows'
-    slots ``row_slots [banks * H, U]``) placed at their slots of a zeroed ``[banks, H, S, D]``
-    (S = ``bank_rows``), or with ``shared`` summed over the banks, in order, into
-    ``[H, S, D]``; see ``kernels/working_set.py``."""
 
 
 rows_to_bank = _rows_to_bank.op
@@ -522,37 +490,7 @@ rows_to_bank = _rows_to_bank.op
 # ---------------------------------------------------------------------------
 
 
-def _chunk_prepare_backward_kernels(a) -> tuple[Tensor, Tensor, Tensor]:
-    from ..kernels import chunk_prepare as k
-
-    dww, drw, ddc = meta.chunk_prepare_backward_fake(*a)
-    with on_device(a.dA):
-        k.chunk_prepare_bwd(
-            *a[:12],  # write_idx .. d_row_decay
-            d_write_w=dww,
-            d_decay=None if a.decay is None else ddc,
-            d_read_w=drw,
-            chunks=a.chunks,
-        )
-    return dww, drw, ddc
-
-
-def _chunk_prepare_backward_cpu(a) -> tuple[Tensor, Tensor, Tensor]:
-    if a.chunks is not None:
-        dww, drw, ddc = reference.chunk_prepare_backward_varlen_reference(*a)
-    else:
-        dww, drw, ddc = reference.chunk_prepare_backward_reference(*a[:-2])
-    ddc = a.write_w.new_empty(0, dtype=dww.dtype) if ddc is None else ddc
-    return dww.contiguous(), drw.contiguous(), ddc.contiguous()
-
-
-@kernel_op(
-    "sdm_internal::chunk_prepare_backward",
-    on="dA",
-    kernels=_chunk_prepare_backward_kernels,
-    reference=_chunk_prepare_backward_cpu,
-    fake=meta.chunk_prepare_backward_fake,
-)
+@kernel_op("sdm_internal::chunk_prepare_backward", on="dA", fake=meta.chunk_prepare_backward_fake)
 def _chunk_prepare_backward(
     write_idx: Tensor,
     write_w: Tensor,
@@ -571,6 +509,32 @@ def _chunk_prepare_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``sdm_internal::chunk_prepare``: (d_write_w, d_read_w, d_decay), d_decay
     empty without decay; see ``kernels/chunk_prepare.py``."""
+
+
+@_chunk_prepare_backward.kernels
+def _chunk_prepare_backward_kernels(a) -> tuple[Tensor, Tensor, Tensor]:
+    from ..kernels import chunk_prepare as k
+
+    dww, drw, ddc = meta.chunk_prepare_backward_fake(a)
+    with on_device(a.dA):
+        k.chunk_prepare_bwd(
+            *a[:12],  # write_idx .. d_row_decay
+            d_write_w=dww,
+            d_decay=None if a.decay is None else ddc,
+            d_read_w=drw,
+            chunks=a.chunks,
+        )
+    return dww, drw, ddc
+
+
+@_chunk_prepare_backward.reference
+def _chunk_prepare_backward_cpu(a) -> tuple[Tensor, Tensor, Tensor]:
+    if a.chunks is not None:
+        dww, drw, ddc = reference.chunk_prepare_backward_varlen_reference(*a)
+    else:
+        dww, drw, ddc = reference.chunk_prepare_backward_reference(*a[:-2])
+    ddc = a.write_w.new_empty(0, dtype=dww.dtype) if ddc is None else ddc
+    return dww.contiguous(), drw.contiguous(), ddc.contiguous()
 
 
 chunk_prepare_backward = _chunk_prepare_backward.op

@@ -18,10 +18,16 @@ from ._define import kernel_op
 # ---------------------------------------------------------------------------
 
 
+@kernel_op("sdm::product_key_topk", on="raw", contiguous=True, fake=meta.product_key_topk_fake)
+def _product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, Tensor]:
+    """Exact top-k over product keys: raw [..., sum(factors)] -> (val, lin) [..., kk]."""
+
+
+@_product_key_topk.kernels
 def _product_key_topk_kernels(a) -> tuple[Tensor, Tensor]:
     from ..kernels import product_key_topk as k
 
-    val, lin = meta.product_key_topk_fake(*a)
+    val, lin = meta.product_key_topk_fake(a)
     kk = val.shape[-1]
     with on_device(a.raw):
         k.product_key_topk_fwd(
@@ -34,21 +40,10 @@ def _product_key_topk_kernels(a) -> tuple[Tensor, Tensor]:
     return val, lin
 
 
+@_product_key_topk.reference
 def _product_key_topk_cpu(a) -> tuple[Tensor, Tensor]:
     val, lin = reference.product_key_topk_reference(a.raw, tuple(a.factors), a.k)
     return val.contiguous(), lin.contiguous()
-
-
-@kernel_op(
-    "sdm::product_key_topk",
-    on="raw",
-    contiguous=True,
-    kernels=_product_key_topk_kernels,
-    reference=_product_key_topk_cpu,
-    fake=meta.product_key_topk_fake,
-)
-def _product_key_topk(raw: Tensor, factors: list[int], k: int) -> tuple[Tensor, Tensor]:
-    """Exact top-k over product keys: raw [..., sum(factors)] -> (val, lin) [..., kk]."""
 
 
 product_key_topk = _product_key_topk.op
@@ -59,10 +54,20 @@ product_key_topk = _product_key_topk.op
 # ---------------------------------------------------------------------------
 
 
+@kernel_op(
+    "sdm_internal::product_key_topk_backward", on="lin", fake=meta.product_key_topk_backward_fake
+)
+def _product_key_topk_backward(
+    lin: Tensor, grad_val: Tensor, factors: list[int], dtype: torch.dtype
+) -> Tensor:
+    """grad_raw [..., sum(factors)] of ``product_key_topk``, in ``dtype``."""
+
+
+@_product_key_topk_backward.kernels
 def _product_key_topk_backward_kernels(a) -> Tensor:
     from ..kernels import product_key_topk as k
 
-    grad = meta.product_key_topk_backward_fake(*a)
+    grad = meta.product_key_topk_backward_fake(a)
     kk, width = a.lin.shape[-1], grad.shape[-1]
     with on_device(a.lin):
         k.product_key_topk_bwd(
@@ -71,22 +76,10 @@ def _product_key_topk_backward_kernels(a) -> Tensor:
     return grad
 
 
+@_product_key_topk_backward.reference
 def _product_key_topk_backward_cpu(a) -> Tensor:
     grad = reference.product_key_topk_backward_reference(a.lin, a.grad_val, tuple(a.factors))
     return grad.to(a.dtype).contiguous()
-
-
-@kernel_op(
-    "sdm_internal::product_key_topk_backward",
-    on="lin",
-    kernels=_product_key_topk_backward_kernels,
-    reference=_product_key_topk_backward_cpu,
-    fake=meta.product_key_topk_backward_fake,
-)
-def _product_key_topk_backward(
-    lin: Tensor, grad_val: Tensor, factors: list[int], dtype: torch.dtype
-) -> Tensor:
-    """grad_raw [..., sum(factors)] of ``product_key_topk``, in ``dtype``."""
 
 
 product_key_topk_backward = _product_key_topk_backward.op

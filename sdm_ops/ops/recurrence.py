@@ -11,13 +11,13 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from .. import working_set
 from ..kernels._common import sm_count
 from ..layout import SKIP_SNAPSHOT, Prepared
 from ..meta import recurrence as meta
 from . import eager
+from ._define import define_op
 from .phases import (
     _bank_copy,
     _chunk_prepare,
@@ -242,8 +242,9 @@ def _sparse_delta_memory(
     return out, bank_out if output_final_state else bank.new_empty(0), kept
 
 
-sparse_delta_memory = triton_op("sdm::sparse_delta_memory", mutates_args=())(_sparse_delta_memory)
-sparse_delta_memory.register_fake(meta.sparse_delta_memory_fake)
+sparse_delta_memory = define_op(
+    "sdm::sparse_delta_memory", _sparse_delta_memory, fake=meta.sparse_delta_memory_fake
+)
 
 
 def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
@@ -442,10 +443,12 @@ def _sparse_delta_memory_(
     return out
 
 
-sparse_delta_memory_ = triton_op("sdm::sparse_delta_memory_", mutates_args=("bank",))(
-    _sparse_delta_memory_
+sparse_delta_memory_ = define_op(
+    "sdm::sparse_delta_memory_",
+    _sparse_delta_memory_,
+    fake=meta.sparse_delta_memory_inplace_fake,
+    mutates_args=("bank",),
 )
-sparse_delta_memory_.register_fake(meta.sparse_delta_memory_inplace_fake)
 sparse_delta_memory_inplace_route = eager.route(
     "sdm::sparse_delta_memory_", sparse_delta_memory_, _sparse_delta_memory_, mutated=(6,)
 )

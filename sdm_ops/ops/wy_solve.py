@@ -17,30 +17,25 @@ from ._define import kernel_op
 # ---------------------------------------------------------------------------
 
 
+@kernel_op("sdm::wy_solve", on="A", contiguous=True, fake=meta.wy_solve_fake)
+def _wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
+    """X = (I + tril(beta A, -1))^-1, QX = tril(QK) X; A, QK [N, C, C], beta [N, C], float32."""
+
+
+@_wy_solve.kernels
 def _wy_solve_kernels(a) -> tuple[Tensor, Tensor]:
     from ..kernels import wy_solve as k
 
-    X, QX = meta.wy_solve_fake(*a)
+    X, QX = meta.wy_solve_fake(a)
     with on_device(a.A):
         k.wy_solve_fwd(a.A, a.beta, a.QK, X, QX)
     return X, QX
 
 
+@_wy_solve.reference
 def _wy_solve_cpu(a) -> tuple[Tensor, Tensor]:
     X, QX = reference.wy_solve_reference(a.A, a.beta, a.QK)
     return X.contiguous(), QX.contiguous()
-
-
-@kernel_op(
-    "sdm::wy_solve",
-    on="A",
-    contiguous=True,
-    kernels=_wy_solve_kernels,
-    reference=_wy_solve_cpu,
-    fake=meta.wy_solve_fake,
-)
-def _wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> tuple[Tensor, Tensor]:
-    """X = (I + tril(beta A, -1))^-1, QX = tril(QK) X; A, QK [N, C, C], beta [N, C], float32."""
 
 
 wy_solve = _wy_solve.op
@@ -51,31 +46,27 @@ wy_solve = _wy_solve.op
 # ---------------------------------------------------------------------------
 
 
+@kernel_op("sdm_internal::wy_solve_backward", on="A", fake=meta.wy_solve_backward_fake)
+def _wy_solve_backward(
+    A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor, dQX: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dA, dbeta, dQK) of ``wy_solve`` (strict lower, [N, C], lower triangle)."""
+
+
+@_wy_solve_backward.kernels
 def _wy_solve_backward_kernels(a) -> tuple[Tensor, Tensor, Tensor]:
     from ..kernels import wy_solve as k
 
-    dA, dbeta, dQK = meta.wy_solve_backward_fake(*a)
+    dA, dbeta, dQK = meta.wy_solve_backward_fake(a)
     with on_device(a.A):
         k.wy_solve_bwd(*a, dA, dbeta, dQK)
     return dA, dbeta, dQK
 
 
+@_wy_solve_backward.reference
 def _wy_solve_backward_cpu(a) -> tuple[Tensor, Tensor, Tensor]:
     dA, dbeta, dQK = reference.wy_solve_backward_reference(*a)
     return dA.contiguous(), dbeta.contiguous(), dQK.contiguous()
-
-
-@kernel_op(
-    "sdm_internal::wy_solve_backward",
-    on="A",
-    kernels=_wy_solve_backward_kernels,
-    reference=_wy_solve_backward_cpu,
-    fake=meta.wy_solve_backward_fake,
-)
-def _wy_solve_backward(
-    A: Tensor, beta: Tensor, QK: Tensor, X: Tensor, dX: Tensor, dQX: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dA, dbeta, dQK) of ``wy_solve`` (strict lower, [N, C], lower triangle)."""
 
 
 wy_solve_backward = _wy_solve_backward.op
