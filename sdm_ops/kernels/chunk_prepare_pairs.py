@@ -43,7 +43,10 @@ def pairs_launch(backward: bool, common, shared, compact, T, H, bank_rows, N, P,
     chunk, after the sort kernel wrote ``shared`` (entries per chunk, -1 for a heavy chunk) and
     the ``compact`` lists; ``common`` are the tensors of phase 1 (or of its backward) as the
     sort kernel takes them, ``sizes`` its constexprs (``chunk_prepare_sparse.sparse_launch``)."""
-    pairs = wrap_triton(_chunk_pairs_bwd_kernel if backward else _chunk_pairs_kernel)
+    if backward:
+        pairs = wrap_triton(_chunk_pairs_bwd_kernel)
+    else:
+        pairs = wrap_triton(_chunk_pairs_kernel)
     mc, np_, C = sizes["MC"], sizes["NP"], sizes["C"]
     # Two tiers by shared entries (LO < m <= HI): most chunks have at most MC and take one
     # window, straight code (in the backward, of MH = MC / 2 entries where those hold them:

@@ -59,7 +59,10 @@ def sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags,
     shared = torch.empty(P, N, dtype=torch.int32, device=device)
     compact = torch.empty(P, N, np_, dtype=torch.int32, device=device)
     sizes = dict(W=W, R=R, EM=em, NP=np_, KB=kb, MC=mc, C=C, **flags)
-    sort = wrap_triton(_chunk_sort_bwd_kernel if backward else _chunk_sort_kernel)
+    if backward:
+        sort = wrap_triton(_chunk_sort_bwd_kernel)
+    else:
+        sort = wrap_triton(_chunk_sort_kernel)
     sort[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS)
     pairs_launch(backward, common, shared, compact, T, H, bank_rows, N, P, sizes, device)
     return shared

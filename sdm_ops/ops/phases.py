@@ -6,9 +6,11 @@ step (``decode_step_``), and the backwards (``recurrence_bwd``, ``rows_to_bank``
 ``chunk_prepare_backward``).
 
 Each is declared once by its body's signature (``_define.kernel_op``): the kernel path and the
-CPU path take its arguments as one NamedTuple ``a``. They take contiguous inputs; ``chunks``
-and ``seq_chunks`` (``reference.varlen_chunks``) describe a packed batch, None otherwise. The
-kernels and their math are in ``sdm_ops/kernels``, the fakes in ``sdm_ops/meta/recurrence.py``.
+CPU path take its arguments as one NamedTuple ``a``. The body of operator ``x`` is ``_x``,
+which the public operators' bodies and backwards call without a dispatch
+(``eager.in_backward``). They take contiguous inputs; ``chunks`` and ``seq_chunks``
+(``reference.varlen_chunks``) describe a packed batch, None otherwise. The kernels and their
+math are in ``sdm_ops/kernels``, the fakes in ``sdm_ops/meta/recurrence.py``.
 """
 
 from __future__ import annotations
