@@ -132,7 +132,7 @@ def test_the_paths_split_chunks_and_both_run(heavy_flags, monkeypatch):
     last stream's."""
     seen, set_compact = heavy_flags
     set_compact(16)
-    monkeypatch.setattr(sparse, "_STRIDED_PROGRAMS", 2)
+    monkeypatch.setattr(_common, "STRIDED_PROGRAMS", 2)
     a = make_sdm_inputs(B=2, H=2, D=16, T=64, W=8, R=8, S=2000, seed=3, device=KERNEL_DEVICE)
     for b, h, n in ((0, 0, 0), (0, 0, 2), (1, 1, 1)):
         a["write_idx"][b, 16 * n : 16 * n + 9, h, :2] = 1999
