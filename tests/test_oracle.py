@@ -128,7 +128,29 @@ CASES = {
     "C128_shared": dict(chunk_size=128, B=1, T=140, H=1, S=40, W=2, R=2, shared=True),
     "C16_packed": dict(chunk_size=16, lengths=[0, 5, 16, 37, 1, 0, 20], S=9),
     "C64_packed_shared": dict(chunk_size=64, lengths=[70, 0, 9], shared=True, S=24, W=2),
+    # S large against T x W: most slots are touched once, and reads find slots their stream
+    # never writes (rows read straight from the initial bank, in every chunk).
+    "C16_wide": dict(chunk_size=16, B=2, T=40, H=2, S=300, W=3, R=3),
+    "C32_packed_wide": dict(chunk_size=32, lengths=[50, 3, 29], S=400, W=2, R=3),
 }
+# The cases whose streams must read slots they never write.
+WIDE = ("C16_wide", "C32_packed_wide")
+
+
+def _reads_never_written(a: dict) -> int:
+    """How many (stream, slot) pairs are read but never written (a packed batch's streams are
+    its sequences' heads)."""
+    B, T, H, _ = a["write_idx"].shape
+    cu = a.get("cu_seqlens")
+    spans = [(0, T)] if cu is None else list(zip(cu.tolist()[:-1], cu.tolist()[1:]))
+    count = 0
+    for b in range(B):
+        for t0, t1 in spans:
+            for h in range(H):
+                written = set(a["write_idx"][b, t0:t1, h].flatten().tolist())
+                read = set(a["read_idx"][b, t0:t1, h].flatten().tolist())
+                count += len(read - written - {-1})
+    return count
 
 
 @pytest.mark.parametrize("final", [False, True], ids=["out_only", "final_state"])
@@ -145,6 +167,8 @@ def test_recurrence_matches_the_oracle_forward_and_every_gradient(case, kernels,
         a = make_packed_sdm_inputs(kw.pop("lengths"), D=16, seed=50 + C, device=device, **kw)
     else:
         a = make_sdm_inputs(D=16, seed=50 + C, device=device, **kw)
+    if case in WIDE:
+        assert _reads_never_written(a) > 10
     out, bank, grads, g_out, g_bank = _run(a, kernels=kernels, chunk_size=C, final=final)
     run, want, _ = oracle_with_grads(a, g_out, g_bank)
     assert_close(out, run.out, rtol=RTOL, name="out")
@@ -160,6 +184,49 @@ def test_recurrence_matches_the_oracle_forward_and_every_gradient(case, kernels,
     assert_close(out, run.out, rtol=RTOL, name="inference out")
     if final:
         assert_close(bank, run.bank, rtol=RTOL, name="inference final state")
+
+
+def _in_place(a: dict, bank, t0: int, t1: int, chunk_size: int):
+    """``sparse_delta_memory_`` over tokens t0:t1 of ``a`` into ``bank``; returns out."""
+    keys = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
+    part = {k: a[k][:, t0:t1] for k in keys if a.get(k) is not None}
+    return sdm_ops.sparse_delta_memory_(**part, bank=bank, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("kernels", BACKENDS)
+@pytest.mark.parametrize(
+    "schedule", ["decode", "prefill_then_decode", "wide_prefill_then_decode", "packed_prefill"]
+)
+def test_in_place_calls_match_the_oracle_token_by_token(kernels, schedule):
+    """The in-place form, as a server drives it: one token a call (the decode step), a
+    prefill of several chunks (the last one partial) followed by decode steps, the same on a
+    bank much larger than the tokens touch, and a packed prefill. Every call's out and the
+    bank after the last equal the oracle's, to the float32 contract."""
+    device = KERNEL_DEVICE if kernels else "cpu"
+    if schedule == "packed_prefill":
+        a = make_packed_sdm_inputs([23, 0, 40, 5], D=16, S=9, seed=81, device=device)
+        bank = a["bank"].clone()
+        with _backend(kernels):
+            out = sdm_ops.sparse_delta_memory_(
+                **{k: x for k, x in a.items() if k != "bank"}, bank=bank, chunk_size=16
+            )
+        run = sdm_oracle(float64_args(a))
+        assert_close(out, run.out, rtol=RTOL, name="out")
+        assert_close(bank, run.bank, rtol=RTOL, name="bank")
+        return
+    S = 300 if schedule == "wide_prefill_then_decode" else 7
+    a = make_sdm_inputs(B=2, T=45, H=2, D=16, S=S, W=3, R=2, seed=80, device=device)
+    prefill = 0 if schedule == "decode" else 37
+    bank = a["bank"].clone()
+    outs = []
+    with _backend(kernels):
+        if prefill:
+            outs.append(_in_place(a, bank, 0, prefill, 16))
+        for t in range(prefill, a["v"].shape[1]):
+            outs.append(_in_place(a, bank, t, t + 1, 16))
+    run = sdm_oracle(float64_args(a))
+    assert_close(torch.cat(outs, 1), run.out, rtol=RTOL, name="out")
+    assert_close(bank, run.bank, rtol=RTOL, name="bank")
 
 
 # ---------------------------------------------------------------------------
@@ -562,3 +629,79 @@ def test_layer_matches_a_float64_composition_of_its_parts(kernels, variant):
         assert_close(final, final64, rtol=RTOL, name="final state")
     for n in wrt:
         assert_close(grads[n], want[n], rtol=RTOL, name=f"d {n}")
+
+
+def _packed_snapshot_bounds(a: dict, g_out, g_bank, chunk_size: int, mode: str, unit: float):
+    """``snapshot_gradient_bounds`` of a packed batch: each sequence as a dense batch of one
+    (it runs from its own bank, as if alone), the results put back in the packed layout."""
+    cu = a["cu_seqlens"].tolist()
+    runs, wants, bounds = [], [], []
+    for n in range(len(cu) - 1):
+        t = slice(cu[n], cu[n + 1])
+        seq = {k: x[:, t] for k, x in a.items() if k not in ("bank", "cu_seqlens")}
+        seq["bank"] = (a["bank"] if a["bank"].dim() == 3 else a["bank"][n])[None]
+        gb = None if g_bank is None else g_bank[n : n + 1]
+        run, want, _, bound = snapshot_gradient_bounds(seq, g_out[:, t], gb, chunk_size, mode, unit)
+        runs.append(run)
+        wants.append(want)
+        bounds.append(bound)
+    out = torch.cat([r.out for r in runs], 1)
+    bank = torch.cat([r.bank for r in runs], 0)
+    want = {k: torch.cat([w[k] for w in wants], 1) for k in wants[0] if k != "bank"}
+    want["bank"] = torch.cat([w["bank"] for w in wants], 0)
+    if a["bank"].dim() == 3:
+        want["bank"] = want["bank"].sum(0)
+    bound = {k: torch.cat([b[k] for b in bounds], 1) for k in bounds[0]}
+    return out, bank, want, bound
+
+
+def _mixed_magnitudes(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` with each element scaled by 2^-k, k drawn in 0..20: every group of 16 columns
+    mixes magnitudes, so fp8 stores codes in its subnormals and int4 rounds small elements
+    to 0 and to every step."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(0, 21, x.shape, generator=g)
+    return x * torch.exp2(-k.to(x.dtype)).to(x.device)
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["out_only", "final_state"])
+@pytest.mark.parametrize("layout", ["dense_tiled", "packed"])
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("kernels", BACKENDS)
+def test_every_snapshot_mode_on_mixed_groups_packed_and_tiled_stays_within_its_bounds(
+    kernels, mode, layout, final, monkeypatch
+):
+    """Each quantized snapshot, on a dense batch walked in tiles and on a packed batch, with
+    and without the final state, on rows whose groups of 16 columns mix magnitudes: out,
+    the final state and the gradients of v, beta and the bank equal the oracle's to the
+    float32 contract; those of write_w, read_w and decay stay within what the snapshot's
+    documented bound allows, element by element (the bound itself: where magnitudes mix
+    inside a group, the errors come closer to it than KAPPA's margin, up to 0.8 of it)."""
+    device = KERNEL_DEVICE if kernels else "cpu"
+    C = 16
+    if layout == "packed":
+        a = make_packed_sdm_inputs([21, 40, 7], D=16, S=9, seed=90, device=device)
+    else:
+        monkeypatch.setattr(recurrence_fwd, "_TILE", 128)
+        a = make_sdm_inputs(B=1, T=2 * C + 8, H=2, D=16, S=9, W=3, R=2, seed=91, device=device)
+    a["bank"] = _mixed_magnitudes(a["bank"], seed=92)
+    a["v"] = _mixed_magnitudes(a["v"], seed=93)
+    out, bank, grads, g_out, g_bank = _run(
+        a, kernels=kernels, chunk_size=C, final=final, snapshot=mode
+    )
+    unit = _bf16_unit(kernels)
+    if layout == "packed":
+        want_out, want_bank, want, bounds = _packed_snapshot_bounds(a, g_out, g_bank, C, mode, unit)
+    else:
+        run, want, _, bounds = snapshot_gradient_bounds(a, g_out, g_bank, C, mode, unit)
+        want_out, want_bank = run.out, run.bank
+    assert_close(out, want_out, rtol=RTOL, name="out")
+    if final:
+        assert_close(bank, want_bank, rtol=RTOL, name="final state")
+    for k in ("v", "beta", "bank"):
+        assert_close(grads[k], want[k], rtol=RTOL, name=f"{mode}: d{k}")
+    for k, bound in bounds.items():
+        got = grads[k].detach().cpu().to(F64)
+        slack = RTOL * max(want[k].abs().max().item(), 1.0)
+        excess = (got - want[k]).abs() - bound - slack
+        assert excess.max() <= 0, f"snapshot {mode}: d{k} beyond its bound by {excess.max():.3e}"

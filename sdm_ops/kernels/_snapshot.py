@@ -98,7 +98,8 @@ def load_snapshot(
             mant = bits & 7
             normal = (((ex + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
             x = tl.where(ex == 0, mant.to(tl.float32) * 0.001953125, normal)
-            x = tl.where((bits & 0x80) != 0, -x, x)
+            # The sign as a bit, not a negation: code 0x80 is -0 (Triton's -x is 0 - x).
+            x = (x.to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
         else:
             half = c0 // 2 + tl.arange(0, BD // 2)
             byte = tl.load(
