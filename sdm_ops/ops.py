@@ -64,7 +64,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import layout, reference, working_set
+from . import _finite, layout, reference, working_set
 from .kernels._common import on_device, sm_count, use_kernels
 from .layout import SKIP_SNAPSHOT
 from .meta import product_key_topk as product_key_topk_meta
@@ -280,6 +280,7 @@ def _wy_solve_setup(ctx, inputs, output):
 
 
 def _wy_solve_grad(ctx, dX, dQX):
+    _no_double_backward("wy_solve")
     A, beta, QK, X = ctx.saved_tensors
     dX = torch.zeros_like(X) if dX is None else dX.contiguous()
     dQX = torch.zeros_like(X) if dQX is None else dQX.contiguous()
@@ -375,6 +376,7 @@ def _topk_setup(ctx, inputs, output):
 
 
 def _topk_grad(ctx, grad_val, _grad_lin):
+    _no_double_backward("product_key_topk")
     (lin,) = ctx.saved_tensors
     if grad_val is None:
         grad_val = torch.zeros(lin.shape, dtype=ctx.dtype, device=lin.device)
@@ -467,25 +469,29 @@ def _wide(idx: Tensor) -> Tensor:
 
 
 def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens):
-    """Phase 1 and the WY solve: (chunk_prepare's outputs, X, QX as [lead, H, N, C, C],
-    (chunks, seq_chunks)); the chunk tables are None without ``cu_seqlens``."""
+    """Phase 1 and the WY solve on finite inputs (``_finite.clean``): (chunk_prepare's
+    outputs, the read gather weights NaN where a token's read weights are not finite, X, QX as
+    [lead, H, N, C, C], (chunks, seq_chunks), the beta phase 2 takes: NaN where a token's
+    write side is not finite); the chunk tables are None without ``cu_seqlens``."""
     chunks, seq_chunks = (
         (None, None) if cu_seqlens is None else _varlen_chunks(cu_seqlens, v.shape[1], C)
     )
+    clean = _finite.clean(beta, write_idx, write_w, read_idx, read_w, decay, S)
     prep = _chunk_prepare(
         write_idx,
-        write_w,
+        clean.write_w,
         read_idx,
-        read_w,
-        decay,
+        clean.read_w,
+        clean.decay,
         bank_rows=S,
         chunk_size=C,
         chunks=chunks,
         seq_chunks=seq_chunks,
     )
+    prep = [*prep[:3], _finite.poison_reads(prep[3], clean.bad_reads), *prep[4:]]
     A, QK = prep[0], prep[1]
-    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), QK.view(-1, C, C))
-    return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks)
+    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean.beta, C, chunks), QK.view(-1, C, C))
+    return prep, X.view(A.shape), QX.view(A.shape), (chunks, seq_chunks), clean.beta_walk
 
 
 # The inference forward's bank copy beside phase 1 (``_copy_beside``) takes one
@@ -558,7 +564,7 @@ def _sparse_delta_memory(
     if in_place:
         banks = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         bank_out, side = _copy_beside(bank, banks, B * H * -(-T // C))
-    prep, X, QX, (chunks, seq_chunks) = _phase1(
+    prep, X, QX, (chunks, seq_chunks), beta = _phase1(
         v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens
     )
     _, _, gather_w, gather_r, scatter_w, row_decay, rank, read_rank = prep
@@ -682,6 +688,10 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     )
     write_idx, read_idx = _wide(write_idx), _wide(read_idx)
     decay = None if decay is None else decay.contiguous()
+    # What the forward ran on (``_finite``): inputs selected away get no gradient.
+    clean = _finite.clean(beta, write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows)
+    beta_in, write_w_in, read_w_in, decay_in = beta, write_w, read_w, decay
+    beta, write_w, read_w, decay = clean.beta, clean.write_w, clean.read_w, clean.decay
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
@@ -692,7 +702,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     phase1_backward = _in_backward(chunk_prepare_backward, _chunk_prepare_backward, eager)
     to_bank = _in_backward(rows_to_bank, _rows_to_bank, eager)
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = phase2_backward(
-        beta,
+        clean.beta_walk,
         write_idx if rows is None else rows.write_rows,
         read_idx if rows is None else rows.read_rows,
         gather_w=gather_w,
@@ -755,15 +765,18 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
                 chunks=chunks,
                 seq_chunks=seq_chunks,
             )
+    kept = _finite.kept(
+        beta_in, write_idx, write_w_in, read_idx, read_w_in, decay_in, ctx.bank_rows
+    )
     grads = (
         dv if needs[0] else None,
-        dbeta.to(beta.dtype) if needs[1] else None,
+        kept.keep_beta(dbeta.to(beta.dtype)) if needs[1] else None,
         None,
-        dww.to(write_w.dtype) if needs[3] else None,
+        kept.keep_write_w(dww.to(write_w.dtype)) if needs[3] else None,
         None,
-        drw.to(read_w.dtype) if needs[5] else None,
+        kept.keep_read_w(drw.to(read_w.dtype)) if needs[5] else None,
         dbank.to(bank_dtype) if needs[6] else None,
-        ddc.to(decay.dtype) if needs[7] else None,
+        kept.keep_decay(ddc.to(decay.dtype)) if needs[7] else None,
     )
     # One gradient for each argument the dispatcher passed (chunk_size and the others get None).
     return (grads + (None,) * 4)[: len(ctx.needs_input_grad)]
@@ -813,7 +826,7 @@ def _sparse_delta_memory_(
         # an eager step, and a traced graph sees the same kernel either way.
         out = _decode_step(state, v, beta, write_idx, write_w, read_idx, read_w, decay)
     else:
-        prep, X, QX, (chunks, seq_chunks) = _phase1(
+        prep, X, QX, (chunks, seq_chunks), beta = _phase1(
             v,
             beta,
             write_idx,
@@ -1162,15 +1175,29 @@ def _recurrence_fwd_inplace_cpu(
 ) -> Tensor:
     """The CPU path of ``sdm_internal::recurrence_fwd_``: the reference."""
     prep = layout.Prepared(None, None, gather_w, gather_r, scatter_w, row_decay, rank, None)
+    # A contiguous bank in the compute dtype is walked where it is: no copy of it is made.
+    inplace = bank.is_contiguous() and bank.dtype == reference.compute_dtype(v, bank, gather_w)
     if chunks is not None:
         out, bank_out = reference.recurrence_fwd_varlen_reference(
-            v, beta, write_idx, read_idx, prep, X, QX, bank, "none", chunks, seq_chunks
+            v,
+            beta,
+            write_idx,
+            read_idx,
+            prep,
+            X,
+            QX,
+            bank,
+            "none",
+            chunks,
+            seq_chunks,
+            inplace=inplace,
         )[:2]
     else:
         out, bank_out = reference.recurrence_fwd_reference(
-            v, beta, write_idx, read_idx, prep, X, QX, bank
+            v, beta, write_idx, read_idx, prep, X, QX, bank, inplace=inplace
         )[:2]
-    bank.copy_(bank_out)
+    if not inplace:
+        bank.copy_(bank_out)
     return out.to(v.dtype).contiguous()
 
 
