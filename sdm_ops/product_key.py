@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _transforms, ops
 from ._checks import check_int, check_tensor
 from .ops import eager
 
@@ -70,6 +70,7 @@ def product_key_topk(raw: Tensor, factors: Sequence[int], k: int) -> TopK:
         (torch.Size([4, 10, 8]), torch.Size([4, 10, 8]), torch.int64)
     """
     check_tensor("raw", raw, dtypes=(torch.float32, torch.bfloat16))
+    _transforms.check("product_key_topk", raw)
     dims = check_factors(factors)
     check_int("k", k, low=1, high=MAX_K)
     if raw.dim() < 1 or raw.shape[-1] != sum(dims):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _transforms, ops
 from ._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -382,6 +382,9 @@ def sparse_delta_memory(
         output_final_state,
         inplace=False,
     )
+    _transforms.check(
+        "sparse_delta_memory", v, beta, write_w, read_w, bank, decay, write_idx, read_idx
+    )
     checks, cu_seqlens = _data_checks(
         write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1], defer=True
     )
@@ -458,8 +461,28 @@ def sparse_delta_memory_(
         cu_seqlens,
         inplace=True,
     )
+    _transforms.check(
+        "sparse_delta_memory_", v, beta, write_w, read_w, bank, decay, write_idx, read_idx
+    )
     if not bank.is_contiguous():
         raise ValueError("bank must be contiguous to be updated in place")
+    # Every reason to refuse comes before anything is written. (Traced code cannot ask about
+    # inference tensors; the compiled graph's own checks apply there.)
+    if (
+        not torch.compiler.is_compiling()
+        and bank.is_inference()
+        and not torch.is_inference_mode_enabled()
+    ):
+        raise ValueError(
+            "bank is an inference tensor (made under torch.inference_mode()), which PyTorch "
+            "lets no one update in place outside inference mode: call sparse_delta_memory_ "
+            "inside torch.inference_mode(), or pass a bank made outside it"
+        )
+    if bank.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "bank requires grad, and sparse_delta_memory_ updates it in place without "
+            "autograd: call it under torch.no_grad() (or pass bank.detach())"
+        )
     _, cu_seqlens = _data_checks(
         write_idx, read_idx, bank.shape[-2], cu_seqlens, v.shape[1], defer=False
     )

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _transforms, ops
 from ._checks import check_same_device, check_shape, check_tensor
 from .ops import eager
 
@@ -39,6 +39,7 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> WYSolution:
         (torch.Size([3, 16, 16]), True)
     """
     check_tensor("A", A, ndim=3, dtypes=(torch.float32,))
+    _transforms.check("wy_solve", A, beta, QK)
     check_tensor("beta", beta, ndim=2, dtypes=(torch.float32,))
     check_tensor("QK", QK, ndim=3, dtypes=(torch.float32,))
     n, c = A.shape[0], A.shape[1]

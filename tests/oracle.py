@@ -8,6 +8,12 @@ entries on one slot add their weights and multiply their decays), then
 
     M' = diag(d_t) M;   M = M' + beta_t k_t (v_t - M'^T k_t)^T;   out_t = M^T q_t.
 
+The sums run over the slots the token's entries name, and only those rows change: a slot
+no entry names contributes nothing and is not written, whatever the token's values and the
+other rows hold (selected away, never multiplied by zero), so that a non-finite value goes
+only where the definition sends it: padding is inert, a NaN bank row reaches only the tokens
+that read or write it, and read weights never reach the bank.
+
 A shared bank [H, S, D] is expanded over the batch (autograd sums its gradient); a packed
 batch (``cu_seqlens``) runs each sequence alone from its own bank or the shared one.
 """
@@ -31,12 +37,18 @@ class OracleRun(NamedTuple):
 
 
 def _dense(idx: Tensor, w: Tensor, S: int, dec: Tensor | None = None):
-    """[B, H, E] entries -> (key [B, H, S], decay [B, H, S] or None): weights summed, decays
-    multiplied over the entries that hit each slot."""
+    """[B, H, E] entries -> (key [B, H, S], decay [B, H, S] or None, named [B, H, S]): weights
+    summed, decays multiplied over the entries that hit each slot, and which slots an entry
+    names."""
     hit = idx[..., None] == torch.arange(S)  # [B, H, E, S]; -1 and >= S hit nothing
     key = torch.where(hit, w[..., None], 0.0).sum(-2)
     d = None if dec is None else torch.where(hit, dec[..., None], 1.0).prod(-2)
-    return key, d
+    return key, d, hit.any(-2)
+
+
+def _dot(x: Tensor, named: Tensor, M: Tensor) -> Tensor:
+    """x^T M over the ``named`` slots only: [B, H, S] and [B, H, S, D] -> [B, H, D]."""
+    return torch.where(named[..., None], x[..., None] * M, 0.0).sum(-2)
 
 
 def _walk(v, beta, write_idx, write_w, read_idx, read_w, M, decay, add=None, marks=()):
@@ -49,14 +61,16 @@ def _walk(v, beta, write_idx, write_w, read_idx, read_w, M, decay, add=None, mar
             M = M + add[t]
         if t in marks:
             states[t] = M
-        k, d = _dense(write_idx[:, t], write_w[:, t], S, None if decay is None else decay[:, t])
-        q, _ = _dense(read_idx[:, t], read_w[:, t], S)
-        Mp = M if d is None else d[..., None] * M
-        err = v[:, t] - torch.einsum("bhs,bhsd->bhd", k, Mp)
+        dec = None if decay is None else decay[:, t]
+        k, d, written = _dense(write_idx[:, t], write_w[:, t], S, dec)
+        q, _, read = _dense(read_idx[:, t], read_w[:, t], S)
+        Mp = M if d is None else torch.where(written[..., None], d[..., None] * M, M)
+        err = v[:, t] - _dot(k, written, Mp)
         up = beta[:, t, :, None] * err
-        M = Mp + k[..., None] * up[..., None, :]
-        ups.append(up)
-        outs.append(torch.einsum("bhs,bhsd->bhd", q, M))
+        M = torch.where(written[..., None], Mp + k[..., None] * up[..., None, :], Mp)
+        # A token that writes nothing writes no update (its value and beta go nowhere).
+        ups.append(torch.where(written.any(-1)[..., None], up, 0.0))
+        outs.append(_dot(q, read, M))
     if add is not None and T in add:
         M = M + add[T]
     B, _, H, D = v.shape
@@ -159,7 +173,7 @@ def chunk_entry_terms(args: dict, chunk_size: int) -> dict:
         dec = {}
         total = torch.zeros(B, H, S, dtype=F64)
         for j in toks:
-            key, d = _dense(
+            key, d, _ = _dense(
                 wi[:, j], torch.ones_like(ww[:, j]), S, None if decay is None else decay[:, j]
             )
             dec[j] = torch.ones(B, H, S, dtype=F64) if d is None else d

@@ -90,7 +90,11 @@ def _decode_step_kernel(
     vv = tl.load(v + p * D + cols).to(tl.float32)
     bb = tl.load(beta + p).to(tl.float32)
     u = bb * (vv - tl.sum((w * d_a)[:, None] * rows, 0))  # [BD]
-    o = tl.sum(rw[:, None] * (d_r[:, None] * qrows + k_r[:, None] * u[None, :]), 0)
+    # u reaches only the slots the token writes: selected, not multiplied by K = 0 (a token
+    # that writes nothing, padding included, may hold any value; 0 x NaN is NaN).
+    written = tl.max(hit.to(tl.int32), 1) > 0  # [RP]
+    after = d_r[:, None] * qrows + tl.where(written[:, None], k_r[:, None] * u[None, :], 0.0)
+    o = tl.sum(tl.where(qok[:, None], rw[:, None] * after, 0.0), 0)
     tl.store(out + p * D + cols, o.to(out.dtype.element_ty))
     tl.debug_barrier()  # every gather precedes the first write
     new = d_a[:, None] * rows + k_a[:, None] * u[None, :]

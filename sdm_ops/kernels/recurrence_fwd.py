@@ -72,6 +72,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from .._finite import FLT_MAX as _FLT_MAX
 from ._common import chunk_grid, sm_count
 from ._snapshot import BLOCK_D, SNAP_CODES, store_snapshot
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
@@ -84,6 +85,7 @@ _OUT_WARPS = 4  # a chunk of 64 tokens; twice as many at 128
 # The SM count ``walk_forms_out`` assumes: None for the device's own (on the CPU none, so that
 # the interpreter takes the reference shape's path, out after the walk); tests set it.
 _WALK_SMS: int | None = None
+FLT_MAX = tl.constexpr(_FLT_MAX)
 
 
 @triton.jit
@@ -109,6 +111,18 @@ def _first_chunks(first_p, s, ok, SOURCE: tl.constexpr):
         return tl.load(first_p + s, mask=ok, other=0)
     else:
         return 0
+
+
+@triton.jit
+def _bad_rows(x):
+    """Which rows of ``x`` [TB, BD] hold a value that is not finite."""
+    return tl.max(tl.where(tl.abs(x) <= FLT_MAX, 0, 1), 1) > 0
+
+
+@triton.jit
+def _first(bad, i, C: tl.constexpr):
+    """The first of the tokens ``i`` that is ``bad`` (C where none is)."""
+    return tl.min(tl.where(bad, i, C), 0)
 
 
 @triton.jit
@@ -270,6 +284,9 @@ def _recurrence_fwd_kernel(
                 tl.float32
             )
             bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+            # A token that writes nothing adds nothing, whatever its value (sdm_ops/_finite.py).
+            writes = tl.max(ok.to(tl.int32), 1) > 0
+            rr = tl.where(writes[:, None], vv - retrieved, 0.0)
             if SNAPSHOT:
                 store_snapshot(
                     snap,
@@ -295,14 +312,21 @@ def _recurrence_fwd_kernel(
                     BD,
                     MODE,
                 )
-                tl.store(
-                    res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None]
-                )
-            uu = bb[:, None] * (vv - retrieved)
+                tl.store(res + tok[:, None] * D + cols[None, :], rr, mask=tok_ok[:, None])
+            uu = bb[:, None] * rr
+            # The products run on the tokens before the first whose update (f_w) or read (f_o)
+            # is not finite; delta from f_w on and out from f_o on are NaN (a token that
+            # writes or reads nothing has u or inter 0: no mask needed). Without out here,
+            # _out_kernel finds f_w and f_o again from the res and inter stored below.
+            f_w = _first(_bad_rows(uu), ci, C)
+            uu = tl.where(ci[:, None] < f_w, uu, 0.0)
             xo = x_base + ci[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
+            dl = tl.where(ci[:, None] < f_w, dl, float("nan"))
             if SNAPSHOT or OUT_WALK:
+                f_o = tl.minimum(f_w, _first(_bad_rows(inter), ci, C))
                 o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
+                o = tl.where(ci[:, None] < f_o, o, float("nan"))
             if SNAPSHOT:
                 tl.store(
                     out + tok[:, None] * D + cols[None, :],
@@ -335,9 +359,7 @@ def _recurrence_fwd_kernel(
                 # Else out = inter + QX u is left to _out_kernel, which forms it after the walk
                 # from the res and inter stored here (after the barrier, as above): the walk does
                 # one dot a chunk, not two, and fits two programs an SM.
-                tl.store(
-                    res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None]
-                )
+                tl.store(res + tok[:, None] * D + cols[None, :], rr, mask=tok_ok[:, None])
                 tl.store(inter_buf + tok[:, None] * D + cols[None, :], inter, mask=tok_ok[:, None])
             tl.store(
                 ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty), mask=lead[:, :, None]
@@ -353,6 +375,8 @@ def _recurrence_fwd_kernel(
             tl.debug_barrier()
         else:
             npass = 1
+            f_w = C  # the first token whose update is not finite (see the one-tile path)
+            f_o = C  # ... or whose read is not
             # (1) Gathers: retrieved, inter, res = v - retrieved, snapshot.
             for tb in range(0, C, TB):
                 ii = tb + tl.arange(0, TB)
@@ -413,10 +437,14 @@ def _recurrence_fwd_kernel(
                 vv = tl.load(
                     v + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
                 ).to(tl.float32)
-                tl.store(
-                    res + tok[:, None] * D + cols[None, :], vv - retrieved, mask=tok_ok[:, None]
-                )
+                writes = tl.max(ok.to(tl.int32), 1) > 0
+                rr = tl.where(writes[:, None], vv - retrieved, 0.0)
+                bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
+                f_w = tl.minimum(f_w, _first(_bad_rows(bb[:, None] * rr), ii, C))
+                f_o = tl.minimum(f_o, _first(_bad_rows(inter), ii, C))
+                tl.store(res + tok[:, None] * D + cols[None, :], rr, mask=tok_ok[:, None])
                 tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
+            f_o = tl.minimum(f_o, f_w)
             tl.debug_barrier()
             # (2) Dual matmul: delta = X u, out = inter + QX u, each RB rows of X and QX in
             # slices of KB tokens of u (a float32 dot over all C = 128 tokens at once spills
@@ -434,12 +462,15 @@ def _recurrence_fwd_kernel(
                     uk = bk[:, None] * tl.load(
                         res + tok_k[:, None] * D + cols[None, :], mask=ok_k[:, None], other=0.0
                     )
+                    uk = tl.where(ki[:, None] < f_w, uk, 0.0)
                     xo = x_base + ri[:, None] * C + ki[None, :]
                     dl = tl.dot(tl.load(X + xo), uk, dl, input_precision="ieee")
                     qx = tl.dot(tl.load(QX + xo), uk, qx, input_precision="ieee")
                 tok_r, ok_r = token_rows(tok0, h, H, count, ri)
                 ok_r = ok_r[:, None]
+                dl = tl.where(ri[:, None] < f_w, dl, float("nan"))
                 o = qx + tl.load(scratch_p + ri[:, None] * D + cols[None, :])
+                o = tl.where(ri[:, None] < f_o, o, float("nan"))
                 tl.store(delta + tok_r[:, None] * D + cols[None, :], dl, mask=ok_r)
                 tl.store(
                     out + tok_r[:, None] * D + cols[None, :], o.to(out.dtype.element_ty), mask=ok_r
@@ -520,7 +551,12 @@ def _out_kernel(
         off = tok[:, None] * D + kc[None, :]
         u = bb[:, None] * tl.load(res + off, mask=ok[:, None], other=0.0)
         o = tl.load(inter + off, mask=ok[:, None], other=0.0)
+        # As the walk: the product on the tokens before the first whose update or read is
+        # not finite, out NaN from there on (found again from the same res, beta and inter).
+        f_o = tl.minimum(_first(_bad_rows(u), ci, C), _first(_bad_rows(o), ci, C))
+        u = tl.where(ci[:, None] < f_o, u, 0.0)
         o = tl.dot(qx, u, o, input_precision="tf32x3")
+        o = tl.where(ci[:, None] < f_o, o, float("nan"))
         tl.store(out + off, o.to(out.dtype.element_ty), mask=ok[:, None])
 
 

@@ -23,6 +23,7 @@ same kernels on the same tensors, at the dispatcher's host cost.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
@@ -32,6 +33,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from .. import _transforms
 from ..kernels._common import use_kernels
 
 
@@ -66,6 +68,8 @@ def find_private() -> Private | None:
 
 
 PRIVATE = find_private()
+# Set while functorch runs a registered backward (``_functorch``).
+_FUNCTORCH: contextvars.ContextVar[bool] = contextvars.ContextVar("sdm_functorch", default=False)
 
 
 def traced(t: Tensor) -> bool:
@@ -78,9 +82,14 @@ def eager_backward(t: Tensor) -> bool:
     """Whether a registered backward (on tensors like ``t``) runs the internal operators'
     bodies (``in_backward``): eagerly, but not while traced, under a dispatch mode (which
     should see the operators) or with grad mode on (``create_graph``: an operator, which has
-    no autograd, refuses a double backward where its body would drop a term)."""
+    no autograd, refuses a double backward where its body would drop a term) or in a
+    backward functorch runs (``_functorch``: its tensors are wrappers that only the operators'
+    dispatch unwraps)."""
     return PRIVATE is not None and not (
-        torch.is_grad_enabled() or traced(t) or PRIVATE.dispatch_mode() is not None
+        torch.is_grad_enabled()
+        or traced(t)
+        or PRIVATE.dispatch_mode() is not None
+        or _FUNCTORCH.get()
     )
 
 
@@ -127,13 +136,15 @@ class Route(NamedTuple):
     """How ``call`` reaches a public operator: the operator ``op`` (named ``name``), its body,
     and ``autograd``, the body under the operator's registered autograd (None for an operator
     without autograd, which an input that requires grad then dispatches); ``mutated``: the
-    positions of the arguments the operator mutates."""
+    positions of the arguments the operator mutates; ``functorch``: the operator under its
+    registered autograd as an autograd.Function that ``torch.func.grad`` and ``vjp`` accept."""
 
     name: str
     op: Callable
     body: Callable
     autograd: Callable | None = None
     mutated: tuple[int, ...] = ()
+    functorch: Callable | None = None
 
 
 def route(
@@ -154,7 +165,14 @@ def route(
     if backward is None:
         return Route(name, op, body, None, mutated)
     op.register_autograd(backward, setup_context=setup)
-    return Route(name, op, body, _autograd(body, setup, backward, kw_only, listed), mutated)
+    return Route(
+        name,
+        op,
+        body,
+        _autograd(body, setup, backward, kw_only, listed),
+        mutated,
+        _functorch(name, op, setup, backward, kw_only, listed),
+    )
 
 
 def call(route: Route, *args, **kwargs):
@@ -168,6 +186,12 @@ def call(route: Route, *args, **kwargs):
     profiler the call is a range named after the operator. Otherwise (traced, a mode, the CPU
     reference) the operator."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    if (
+        route.functorch is not None
+        and not torch.compiler.is_compiling()
+        and "Grad" in _transforms.transform_names()
+    ):
+        return route.functorch(tensors, *args, *kwargs.values())
     if not eager_plain(tensors):
         return route.op(*args, **kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -216,6 +240,94 @@ def _autograd(body, setup, backward, kw_only: tuple[str, ...] = (), listed: int 
             return (got + (None,) * ctx.arguments)[: ctx.arguments]
 
     def apply(*args):
+        output = Function.apply(*args)
+        return output if listed is None else (*output[:listed], list(output[listed:]))
+
+    return apply
+
+
+def public_name(qualname: str) -> str:
+    """``sdm::wy_solve`` -> ``wy_solve``: the name of the public function."""
+    return qualname.split("::")[-1]
+
+
+def no_double_backward(name: str) -> None:
+    """Refuse a backward that would itself be differentiated (``create_graph=True``): the
+    registered backwards run the kernels with no autograd of their own, and a silently missing
+    second-order term would be a wrong answer."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"sdm_ops: {name} does not support double backward (its backward "
+            "is not differentiable); do not pass create_graph=True"
+        )
+
+
+def _base(t: Tensor) -> Tensor:
+    """The tensor under functorch's wrappers."""
+    while _transforms.wrapped(t):
+        t = _transforms.unwrapped(t)
+    return t
+
+
+def _functorch(name, op, setup, backward, kw_only=(), listed=None):
+    """A function running the operator ``op`` under its registered ``setup`` and ``backward``
+    inside functorch's ``grad`` or ``vjp`` (an autograd.Function with ``setup_context``,
+    which functorch requires): the same kernels and the same gradients as ``torch.autograd``.
+    It takes ``(tensors, *arguments)`` as ``_autograd`` takes the arguments. Under two
+    gradient transforms (a second derivative), or with an input that also requires grad
+    outside the transform, it refuses: the backward is not differentiable."""
+    k = len(kw_only)
+    public = public_name(name)
+
+    def split(args):
+        return (args[:-k], dict(zip(kw_only, args[-k:]))) if k else (args, {})
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            inputs, kw = split(args)
+            output = op(*inputs, **kw)
+            return tuple(output) if listed is None else (*output[:listed], *output[listed])
+
+        @staticmethod
+        def setup_context(ctx, args, output):
+            inputs, kw = split(args)
+            if listed is not None:
+                output = (*output[:listed], list(output[listed:]))
+            if k:
+                setup(ctx, inputs, kw, output)
+            else:
+                setup(ctx, inputs, output)
+            ctx.arguments = len(args)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            if "Vmap" in _transforms.transform_names():
+                raise NotImplementedError(
+                    f"sdm_ops.{public} does not support torch.func.vmap (nor jacrev, which "
+                    "maps its backward over the rows of the Jacobian)"
+                )
+            if listed is not None:
+                grads = (*grads[:listed], None)
+            # functorch differentiates with create_graph=True; one level of it (checked
+            # when the operator ran) needs no graph of the backward itself.
+            token = _FUNCTORCH.set(True)
+            try:
+                with torch.no_grad():
+                    got = tuple(backward(ctx, *grads))
+            finally:
+                _FUNCTORCH.reset(token)
+            return (got + (None,) * ctx.arguments)[: ctx.arguments]
+
+    def apply(tensors, *args):
+        names = _transforms.transform_names()
+        outside = torch.is_grad_enabled() and any(_base(t).requires_grad for t in tensors)
+        if names.count("Grad") > 1 or outside:
+            raise RuntimeError(
+                f"sdm_ops: {public} does not support double backward: under torch.func.grad "
+                "or vjp, give it inputs that need no gradient outside the transform (detach "
+                "them), and nest no second gradient transform over it"
+            )
         output = Function.apply(*args)
         return output if listed is None else (*output[:listed], list(output[listed:]))
 

@@ -308,13 +308,18 @@ def _recurrence_fwd_inplace_kernels(a) -> Tensor:
 @_recurrence_fwd_.reference
 def _recurrence_fwd_inplace_cpu(a) -> Tensor:
     args = (a.v, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, a.bank)
+    # A contiguous bank in the compute dtype is walked where it is: no copy of it is made.
+    inplace = a.bank.is_contiguous() and a.bank.dtype == reference.compute_dtype(
+        a.v, a.bank, a.gather_w
+    )
     if a.chunks is not None:
         out, bank_out = reference.recurrence_fwd_varlen_reference(
-            *args, "none", a.chunks, a.seq_chunks
+            *args, "none", a.chunks, a.seq_chunks, inplace=inplace
         )[:2]
     else:
-        out, bank_out = reference.recurrence_fwd_reference(*args)[:2]
-    a.bank.copy_(bank_out)
+        out, bank_out = reference.recurrence_fwd_reference(*args, inplace=inplace)[:2]
+    if not inplace:
+        a.bank.copy_(bank_out)
     return out.to(a.v.dtype).contiguous()
 
 

@@ -98,6 +98,7 @@ def _topk_setup(ctx, inputs, output):
 
 
 def _topk_grad(ctx, grad_val, _grad_lin):
+    eager.no_double_backward("product_key_topk")
     (lin,) = ctx.saved_tensors
     if grad_val is None:
         grad_val = torch.zeros(lin.shape, dtype=ctx.dtype, device=lin.device)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .. import working_set
+from .. import _finite, working_set
 from ..kernels._common import sm_count
 from ..layout import SKIP_SNAPSHOT, Prepared
 from ..meta import recurrence as meta
@@ -34,14 +34,16 @@ from .wy_solve import _wy_solve, _wy_solve_backward
 
 class Phase1(NamedTuple):
     """What phase 1 and the WY solve give phase 2 and its backward (``_phase1``):
-    ``chunk_prepare``'s outputs, X and QX (``[lead, H, N, C, C]``, as A), and a packed
-    batch's chunk tables (None otherwise)."""
+    ``chunk_prepare``'s outputs, X and QX (``[lead, H, N, C, C]``, as A), a packed batch's
+    chunk tables (None otherwise), and the beta phase 2 reads (NaN where a token's write side
+    is not finite, ``_finite``)."""
 
     prep: Prepared
     X: Tensor
     QX: Tensor
     chunks: Tensor | None
     seq_chunks: Tensor | None
+    beta: Tensor | None = None
 
 
 class Snapshot(NamedTuple):
@@ -112,16 +114,22 @@ def _wide(idx: Tensor) -> Tensor:
 
 
 def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqlens) -> Phase1:
-    """Phase 1 and the WY solve; the chunk tables are None without ``cu_seqlens``."""
+    """Phase 1 and the WY solve on finite inputs (``_finite.clean``); the read gather weights
+    are NaN where a token's read weights are not finite, and the beta for phase 2 NaN where
+    its write side is not. The chunk tables are None without ``cu_seqlens``."""
     chunks, seq_chunks = (
         (None, None) if cu_seqlens is None else _varlen_chunks(cu_seqlens, v.shape[1], C)
     )
+    clean = _finite.clean(beta, write_idx, write_w, read_idx, read_w, decay, S)
     prep = Prepared(
-        *_chunk_prepare(write_idx, write_w, read_idx, read_w, decay, S, C, chunks, seq_chunks)
+        *_chunk_prepare(
+            write_idx, clean.write_w, read_idx, clean.read_w, clean.decay, S, C, chunks, seq_chunks
+        )
     )
+    prep = prep._replace(gather_r=_finite.poison_reads(prep.gather_r, clean.bad_reads))
     A = prep.A
-    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(beta, C, chunks), prep.QK.view(-1, C, C))
-    return Phase1(prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks)
+    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean.beta, C, chunks), prep.QK.view(-1, C, C))
+    return Phase1(prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks, clean.beta_walk)
 
 
 def _phase2_(bank: Tensor, v, beta, write_idx, read_idx, p: Phase1) -> Tensor:
@@ -211,14 +219,14 @@ def _sparse_delta_memory(
     if in_place:
         if side is not None:
             torch.cuda.current_stream(bank.device).wait_stream(side)
-        return _phase2_(bank_out, v, beta, write_idx, read_idx, p), bank_out, []
+        return _phase2_(bank_out, v, p.beta, write_idx, read_idx, p), bank_out, []
     # Without the final state, phase 2 runs on the working set: the rows the sequence touches.
     rows = (
         None if output_final_state else working_set.working_rows(write_idx, read_idx, S, cu_seqlens)
     )
     out, bank_out, *saved = _recurrence_fwd(
         v,
-        beta,
+        p.beta,
         write_idx if rows is None else rows.write_rows,
         read_idx if rows is None else rows.read_rows,
         *p.prep[2:],  # gather_w .. read_rank
@@ -262,14 +270,6 @@ def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
         ctx.save_for_backward(beta, write_idx, write_w, read_idx, read_w, decay, *kept)
 
 
-def _no_double_backward(name: str) -> None:
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"sdm_ops: {name} does not support double backward (its backward "
-            "is not differentiable); do not pass create_graph=True"
-        )
-
-
 def _unpack_kept(kept: list[Tensor], working: bool):
     """(Phase1, Snapshot, WorkingRows or None) from the forward's ``kept`` tensors (in the order
     of ``KEPT_FOR_BACKWARD``, then the chunk tables, then the working set's layout when
@@ -289,7 +289,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     solve's (``wy_solve_backward``; beta's share through ``_chunk_betas``) and phase 1's
     (``chunk_prepare_backward``): the kernels, and the order of their float operations, of the
     autograd graph of the operators composed one by one."""
-    _no_double_backward("sparse_delta_memory")
+    eager.no_double_backward("sparse_delta_memory")
     if not ctx.keep_for_backward:
         raise RuntimeError(
             "sdm::sparse_delta_memory ran with keep_for_backward=False, which keeps nothing for "
@@ -305,13 +305,17 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     )
     write_idx, read_idx = _wide(write_idx), _wide(read_idx)
     decay = None if decay is None else decay.contiguous()
+    # What the forward ran on (``_finite``); inputs it selected away get no gradient.
+    selected = _finite.kept(beta, write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows)
+    clean = _finite.clean(beta, write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows)
+    beta, write_w, read_w, decay = clean.beta, clean.write_w, clean.read_w, clean.decay
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
     # The internal operators' bodies, eagerly (``eager.in_backward``).
     direct = eager.eager_backward(beta)
     dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = eager.in_backward(_recurrence_bwd, direct)(
-        beta,
+        clean.beta_walk,
         write_idx if rows is None else rows.write_rows,
         read_idx if rows is None else rows.read_rows,
         *p.prep[2:],  # gather_w .. read_rank
@@ -368,13 +372,13 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
             )
     grads = (
         dv if needs[0] else None,
-        dbeta.to(beta.dtype) if needs[1] else None,
+        selected.keep_beta(dbeta.to(beta.dtype)) if needs[1] else None,
         None,
-        dww.to(write_w.dtype) if needs[3] else None,
+        selected.keep_write_w(dww.to(write_w.dtype)) if needs[3] else None,
         None,
-        drw.to(read_w.dtype) if needs[5] else None,
+        selected.keep_read_w(drw.to(read_w.dtype)) if needs[5] else None,
         dbank.to(bank_dtype) if needs[6] else None,
-        ddc.to(decay.dtype) if needs[7] else None,
+        selected.keep_decay(ddc.to(decay.dtype)) if needs[7] else None,
     )
     # One gradient for each argument the dispatcher passed (chunk_size and the others get None).
     return (grads + (None,) * 4)[: len(ctx.needs_input_grad)]
@@ -437,7 +441,7 @@ def _sparse_delta_memory_(
     else:
         C = _inplace_chunk_size(T, chunk_size)
         p = _phase1(v, beta, *entries, bank.shape[-2], C, cu_seqlens)
-        out = _phase2_(state, v, beta, write_idx, read_idx, p)
+        out = _phase2_(state, v, p.beta, write_idx, read_idx, p)
     if state is not bank:  # a bank of another dense layout: updated through a copy
         bank.copy_(state)
     return out

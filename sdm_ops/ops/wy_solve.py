@@ -83,6 +83,7 @@ def _wy_solve_setup(ctx, inputs, output):
 
 
 def _wy_solve_grad(ctx, dX, dQX):
+    eager.no_double_backward("wy_solve")
     A, beta, QK, X = ctx.saved_tensors
     dX = torch.zeros_like(X) if dX is None else dX.contiguous()
     dQX = torch.zeros_like(X) if dQX is None else dQX.contiguous()

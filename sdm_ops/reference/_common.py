@@ -54,3 +54,17 @@ def _unchunked(x: Tensor, p: int, t: int) -> Tensor:
     """[P * N, C, ...] -> [P, T, ...]."""
     n = x.shape[0] // p if p else 0
     return x.reshape(p, n * x.shape[1], *x.shape[2:])[:, :t]
+
+
+def first_bad(x: Tensor, exists: Tensor) -> Tensor:
+    """Per chunk, the first token whose row of ``x`` [P, C, D] holds a value that is not
+    finite, among ``exists`` [P, C] (C where none does): [P]."""
+    C = x.shape[1]
+    bad = exists & ~torch.isfinite(x).all(-1)
+    i = torch.arange(C, device=x.device)
+    return torch.where(bad, i, C).amin(-1) if C else torch.zeros_like(bad[:, 0], dtype=i.dtype)
+
+
+def before(first: Tensor, C: int) -> Tensor:
+    """[P, C, 1]: the tokens of each chunk before ``first`` [P]."""
+    return (torch.arange(C, device=first.device) < first[:, None])[..., None]

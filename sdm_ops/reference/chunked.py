@@ -14,7 +14,9 @@ from ._common import (
     _entries,
     _gather_rows,
     _unchunked,
+    before,
     compute_dtype,
+    first_bad,
     from_streams,
     to_streams,
 )
@@ -199,7 +201,17 @@ def dequantize_rows(codes: Tensor, scale: Tensor, mode: str) -> Tensor:
 
 
 def recurrence_fwd_reference(
-    v, beta, write_idx, read_idx, prep: Prepared, X, QX, bank, snapshot: str = "none"
+    v,
+    beta,
+    write_idx,
+    read_idx,
+    prep: Prepared,
+    X,
+    QX,
+    bank,
+    snapshot: str = "none",
+    *,
+    inplace: bool = False,
 ):
     """Phase 2 (gathers, dual matmul, decay and write) for all chunks, given phase 1 and the
     WY solve (X, QX: [B, H, N, C, C]).
@@ -209,13 +221,19 @@ def recurrence_fwd_reference(
     read entry, [B, T, H, W + R, D] (zeros for padding), quantized by :func:`quantize_rows`:
     every bank row the backward reads. res = v - retrieved and
     delta = X (beta res). out, res, delta and the bank are in the compute dtype.
+
+    With ``inplace`` (a contiguous [B, H, S, D] bank in the compute dtype) the walk updates
+    ``bank`` itself and returns it: no copy of the bank is made.
     """
     cd = compute_dtype(v, bank, prep.gather_w)
     B, T, H, D = v.shape
     S = bank.shape[-2]
     P = B * H
     C = X.shape[-1]
-    M = bank.to(cd).expand(B, H, S, D).reshape(P, S, D).clone()  # never the input itself
+    if inplace:
+        M = bank.view(P, S, D)
+    else:
+        M = bank.to(cd).expand(B, H, S, D).reshape(P, S, D).clone()  # never the input itself
     vs, bs = _chunked(to_streams(v.to(cd)), C, 0), _chunked(to_streams(beta.to(cd)), C, 0)
     slot = _chunked(to_streams(_entries(write_idx, write_idx, S)[0]), C, -1)
     rslot = _chunked(to_streams(_entries(read_idx, read_idx, S)[0]), C, -1)
@@ -232,10 +250,16 @@ def recurrence_fwd_reference(
         rrows = _gather_rows(M, rsl.reshape(P, -1)).reshape(P, C, -1, D)
         retrieved = (gw[c][..., None] * wrows).sum(2)
         inter = (gr[c][..., None] * rrows).sum(2)
-        resid = vs[c] - retrieved
+        # A token that writes nothing adds nothing; the products run on the tokens before
+        # the first whose update or read is not finite (sdm_ops/_finite.py).
+        writes = (sl >= 0).any(-1)
+        resid = torch.where(writes[..., None], vs[c] - retrieved, 0)
         u = bs[c][..., None] * resid
-        delta = Xs[:, n] @ u
-        outs.append(inter + QXs[:, n] @ u)
+        f_w = first_bad(u, writes)
+        f_o = torch.minimum(f_w, first_bad(inter, (rsl >= 0).any(-1)))
+        u = torch.where(before(f_w, C), u, 0)
+        delta = torch.where(before(f_w, C), Xs[:, n] @ u, float("nan"))
+        outs.append(torch.where(before(f_o, C), inter + QXs[:, n] @ u, float("nan")))
         snaps.append(torch.cat([wrows, rrows], 2))
         resids.append(resid)
         deltas.append(delta)
@@ -244,7 +268,8 @@ def recurrence_fwd_reference(
         add = add + torch.where(first[c][..., None], (rd[c][..., None] - 1) * wrows, 0)
         flat = sl.reshape(P, -1)
         add = torch.where((flat >= 0)[..., None], add.reshape(P, -1, D), 0)
-        M = M.scatter_add(1, flat.clamp(min=0)[..., None].expand(P, flat.shape[1], D), add)
+        at = flat.clamp(min=0)[..., None].expand(P, flat.shape[1], D)
+        M = M.scatter_add_(1, at, add) if inplace else M.scatter_add(1, at, add)
 
     def tokens(parts, *shape):
         if not parts:

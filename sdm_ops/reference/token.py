@@ -25,21 +25,28 @@ def sdm_token_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, dec
         rslot, rw, _ = _entries(read_idx[:, t], read_w[:, t].to(cd), S)
         k = torch.zeros(B, H, S, dtype=cd)
         d = torch.ones(B, H, S, dtype=cd)
+        written = torch.zeros(B, H, S, dtype=torch.bool)
         for j in range(slot.shape[-1]):
             hit = torch.nn.functional.one_hot(slot[..., j].clamp(min=0), S).to(torch.bool)
             hit &= (slot[..., j] >= 0)[..., None]
+            written |= hit
             k = k + torch.where(hit, w[..., j : j + 1], 0)
             if dec is not None:
                 d = d * torch.where(hit, dec[..., j : j + 1], 1)
         q = torch.zeros(B, H, S, dtype=cd)
+        read = torch.zeros(B, H, S, dtype=torch.bool)
         for j in range(rslot.shape[-1]):
             hit = torch.nn.functional.one_hot(rslot[..., j].clamp(min=0), S).to(torch.bool)
             hit &= (rslot[..., j] >= 0)[..., None]
+            read |= hit
             q = q + torch.where(hit, rw[..., j : j + 1], 0)
-        Mp = d[..., None] * M
-        err = v[:, t].to(cd) - torch.einsum("bhs,bhsd->bhd", k, Mp)
-        M = Mp + beta[:, t].to(cd)[..., None, None] * k[..., None] * err[..., None, :]
-        outs.append(torch.einsum("bhs,bhsd->bhd", q, M))
+        # Sums over the named slots only, and only written rows change (selected, not
+        # multiplied by zero: padding and rows no entry names stay out of every sum).
+        Mp = torch.where(written[..., None], d[..., None] * M, M)
+        err = v[:, t].to(cd) - torch.where(written[..., None], k[..., None] * Mp, 0).sum(-2)
+        up = beta[:, t].to(cd)[..., None, None] * k[..., None] * err[..., None, :]
+        M = torch.where(written[..., None], Mp + up, Mp)
+        outs.append(torch.where(read[..., None], q[..., None] * M, 0).sum(-2))
     out = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, D, dtype=cd)
     return out, M
 
@@ -77,6 +84,11 @@ def decode_step_reference(bank, v, beta, write_idx, write_w, read_idx, read_w, d
     rows = _gather_rows(M, slot.reshape(B * H, -1)).reshape(B, H, -1, D)
     qrows = _gather_rows(M, rslot.reshape(B * H, -1)).reshape(B, H, -1, D)
     u = beta[:, 0].to(cd)[..., None] * (v[:, 0].to(cd) - ((w * d)[..., None] * rows).sum(-2))
-    out = (rw[..., None] * (d_r[..., None] * qrows + K_r[..., None] * u[..., None, :])).sum(-2)
+    # u reaches the slots the token writes only (selected: the token may hold any value where
+    # it writes nothing, and 0 x NaN is NaN).
+    after = d_r[..., None] * qrows + torch.where(
+        hit.any(-1)[..., None], K_r[..., None] * u[..., None, :], 0
+    )
+    out = torch.where((rslot >= 0)[..., None], rw[..., None] * after, 0).sum(-2)
     new = d[..., None] * rows + K[..., None] * u[..., None, :]
     return out[:, None], new, slot

@@ -128,15 +128,19 @@ def recurrence_fwd_varlen_reference(
     snapshot: str,
     chunks: Tensor,
     seq_chunks: Tensor,
+    *,
+    inplace: bool = False,
 ):
     """:func:`recurrence_fwd_reference` of a packed batch: bank [N, H, S, D] or [H, S, D]; the
-    returned bank is [N, H, S, D]; an empty sequence returns its bank unchanged."""
+    returned bank is [N, H, S, D]; an empty sequence returns its bank unchanged. With
+    ``inplace`` (bank [N, H, S, D], contiguous, in the compute dtype) each sequence's bank is
+    updated where it is, and ``bank`` itself is returned."""
     seqs = varlen_sequences(chunks, seq_chunks)
     cd = compute_dtype(v, bank, prep.gather_w)
     _, T, H, D = v.shape
     E, S = write_idx.shape[-1] + read_idx.shape[-1], bank.shape[-2]
     out, res, delta = (v.new_zeros(1, T, H, D, dtype=cd) for _ in range(3))
-    bank_out = bank.to(cd).expand(len(seqs), H, S, D).clone()
+    bank_out = bank if inplace else bank.to(cd).expand(len(seqs), H, S, D).clone()
     snap, snap_scale = None, None
     for n, (t0, n_tok, c0, nc) in enumerate(seqs):
         tok = slice(t0, t0 + n_tok)
@@ -151,12 +155,15 @@ def recurrence_fwd_varlen_reference(
             QX[:, :, c0 : c0 + nc],
             _seq_bank(bank, n),
             snapshot,
+            inplace=inplace,
         )
         if snap is None:
             snap = r[2].new_zeros(1, T, *r[2].shape[2:])
             scaled = snapshot in ("fp8", "int4")
             snap_scale = r[3].new_ones(1, T, H, E, D // QUANT_GROUP) if scaled else r[3]
-        out[:, tok], bank_out[n], snap[:, tok] = r[0], r[1][0], r[2]
+        out[:, tok], snap[:, tok] = r[0], r[2]
+        if not inplace:
+            bank_out[n] = r[1][0]
         res[:, tok], delta[:, tok] = r[4], r[5]
         if snap_scale.numel():
             snap_scale[:, tok] = r[3]

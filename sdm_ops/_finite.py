@@ -1,0 +1,139 @@
+"""Padding and non-finite values under the chunked form.
+
+The definition changes only the rows a token's entries name and reads only those rows, so a
+padding entry (index outside [0, S)) is inert whatever its weight and decay hold, a token
+with no valid write entry writes nothing whatever its value and beta hold, and a non-finite
+value reaches only later tokens of its stream. The chunked form mixes a chunk's tokens in dot
+products (phase 1's pair terms, the WY solve, X u and QX u), where a masked term multiplied by
+zero would still carry a NaN (0 x NaN is NaN) to every token of the chunk. So:
+
+- phase 1 and the WY solve run on finite inputs: ``clean`` selects weights of invalid or
+  non-finite entries to 0, their decays to 1, and beta to 0 where the token writes nothing or
+  beta is not finite;
+- what was not finite is put back where the chunk's later tokens see it: ``beta_walk`` is NaN
+  for a token whose write side (a valid entry's weight or decay, or its beta) is not finite,
+  and ``poison_reads`` makes the gather weights of a token whose read weights are not finite
+  NaN. Phase 2 then finds, per chunk, the first token whose update u = beta (v - retrieved)
+  or whose read (inter) is not finite, runs the chunk's products on the tokens before it,
+  and makes every later token's update and output of the chunk NaN (every column the
+  program owns): a non-finite write reaches the rows the chunk's later tokens write, a
+  non-finite read the later outputs only, and neither an earlier token nor the bank through
+  a read.
+
+Over-approximating within a chunk is what the contract allows (a non-finite value may reach
+everything after it in its stream); what it never does is reach an earlier token, another
+stream, or the bank through a read weight.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+FLT_MAX = 3.4028234663852886e38  # |x| <= FLT_MAX: finite (NaN compares false)
+
+
+class Clean(NamedTuple):
+    """Finite inputs for phase 1 and the WY solve, and what phase 2 needs to put the
+    non-finite values back (see the module docstring)."""
+
+    beta: Tensor  # [B, T, H]: 0 where the token writes nothing or beta is not finite
+    beta_walk: Tensor  # beta, NaN where the token's write side is not finite
+    write_w: Tensor  # [B, T, H, W]: 0 for invalid or non-finite entries
+    read_w: Tensor  # [B, T, H, R]: likewise
+    decay: Tensor | None  # [B, T, H, W]: 1 for invalid or non-finite entries
+    bad_reads: Tensor  # [B, T, H, R] bool: the valid read entries of a token whose read
+    # weights are not all finite
+
+
+def _finite(x: Tensor) -> Tensor:
+    return x.abs() <= FLT_MAX
+
+
+def clean(
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    S: int,
+) -> Clean:
+    """The finite inputs of phase 1 and the WY solve (``Clean``) of one call."""
+    valid_w = (write_idx >= 0) & (write_idx < S)
+    valid_r = (read_idx >= 0) & (read_idx < S)
+    ok_w = valid_w & _finite(write_w)
+    bad_w = valid_w & ~_finite(write_w)
+    if decay is not None:
+        ok_d = valid_w & _finite(decay)
+        bad_w = bad_w | (valid_w & ~ok_d)
+        decay = torch.where(ok_d, decay, torch.ones((), dtype=decay.dtype, device=decay.device))
+    writes = valid_w.any(-1)
+    beta_ok = writes & _finite(beta)
+    write_bad = bad_w.any(-1) | (writes & ~_finite(beta))
+    zero = torch.zeros((), dtype=beta.dtype, device=beta.device)
+    beta = torch.where(beta_ok, beta, zero)
+    bad_r = valid_r & ~_finite(read_w)
+    bad_reads = valid_r & bad_r.any(-1, keepdim=True)
+    return Clean(
+        beta=beta,
+        beta_walk=torch.where(write_bad, torch.full((), float("nan"), dtype=beta.dtype), beta),
+        write_w=torch.where(ok_w, write_w, torch.zeros((), dtype=write_w.dtype)),
+        read_w=torch.where(valid_r & ~bad_r, read_w, torch.zeros((), dtype=read_w.dtype)),
+        decay=decay,
+        bad_reads=bad_reads,
+    )
+
+
+def poison_reads(gather_r: Tensor, bad_reads: Tensor) -> Tensor:
+    """Phase 1's read gather weights with NaN on the read entries of a token whose read
+    weights are not finite (``Clean.bad_reads``): phase 2's read of that token is then not
+    finite, and its outputs from there on are NaN."""
+    return torch.where(bad_reads, torch.full((), float("nan"), dtype=gather_r.dtype), gather_r)
+
+
+class Kept(NamedTuple):
+    """Which inputs ``clean`` kept (bool masks): their gradients pass, the others' are 0
+    (an input selected away does not reach the outputs the forward computed)."""
+
+    beta: Tensor
+    write_w: Tensor
+    read_w: Tensor
+    decay: Tensor | None
+
+    @staticmethod
+    def _keep(mask: Tensor, grad: Tensor) -> Tensor:
+        return torch.where(mask, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+    def keep_beta(self, grad: Tensor) -> Tensor:
+        return self._keep(self.beta, grad)
+
+    def keep_write_w(self, grad: Tensor) -> Tensor:
+        return self._keep(self.write_w, grad)
+
+    def keep_read_w(self, grad: Tensor) -> Tensor:
+        return self._keep(self.read_w, grad)
+
+    def keep_decay(self, grad: Tensor) -> Tensor:
+        return grad if self.decay is None else self._keep(self.decay, grad)
+
+
+def kept(
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    S: int,
+) -> Kept:
+    """The masks of what ``clean`` keeps of these inputs."""
+    valid_w = (write_idx >= 0) & (write_idx < S)
+    return Kept(
+        beta=valid_w.any(-1) & _finite(beta),
+        write_w=valid_w & _finite(write_w),
+        read_w=(read_idx >= 0) & (read_idx < S) & _finite(read_w),
+        decay=None if decay is None else valid_w & _finite(decay),
+    )
