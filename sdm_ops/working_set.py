@@ -41,6 +41,17 @@ def working_set_rows(T: int, W: int, R: int, S: int) -> int:
     return torch.sym_max(1, torch.sym_min(T * (W + R), S))
 
 
+def numbers_rows(T, W: int, R: int, S: int, output_final_state: bool) -> bool:
+    """Whether a functional call runs phase 2 on a numbered working set
+    (``working_rows``): without the final state, when its streams may touch fewer
+    rows than the bank has (``working_set_rows``). When they may touch as many (T (W + R) >=
+    S), the slots are the rows: the working set would be as large as the bank, so numbering
+    it (a sort of every entry, its scatters, the rows' gradient moved to the slots) buys
+    nothing; phase 2 then runs as with the final state, without copying the rows no chunk
+    writes, and the memory is the same."""
+    return not output_final_state and working_set_rows(T, W, R, S) < S
+
+
 def working_rows(
     write_idx: Tensor, read_idx: Tensor, S: int, cu_seqlens: Tensor | None = None
 ) -> WorkingRows:
@@ -117,12 +128,14 @@ def gather_rows(bank: Tensor, row_slots: Tensor, banks: int, H: int) -> Tensor:
 
 
 def rows_to_bank_reference(
-    grad_rows: Tensor, row_slots: Tensor, S: int, shared: bool, banks: int, H: int
+    grad_rows: Tensor, row_slots: Tensor | None, S: int, shared: bool, banks: int, H: int
 ) -> Tensor:
     """``grad_rows [banks, H, U, D]`` placed at their rows' slots: ``[banks, H, S, D]``, or with
     ``shared`` ``[H, S, D]`` summed over the banks in order (zeros where no row lands)."""
     D = grad_rows.shape[-1]
-    P, U = row_slots.shape
+    P, U = banks * H, grad_rows.shape[-2]
+    if row_slots is None:  # the rows are the slots
+        row_slots = torch.arange(U, device=grad_rows.device).expand(P, U)
     out = grad_rows.new_zeros((H if shared else P) * S + 1, D)
     rows = grad_rows.reshape(P, U, D)
     for b in range(banks if shared else 1):

@@ -265,3 +265,31 @@ def test_int32_indices_equal_int64_indices_over_many_chunks(final):
     out32, _, grads32 = _run(a32, final, True, 16)
     assert torch.equal(out, out32)
     assert all(torch.equal(grads[k], grads32[k]) for k in grads)
+
+
+def _force_numbering(monkeypatch):
+    """Number the working set whatever its size (the rule of ``numbers_rows`` switched off)."""
+    from sdm_ops.meta import recurrence as meta
+
+    rule = lambda T, W, R, S, output_final_state: not output_final_state
+    monkeypatch.setattr(working_set, "numbers_rows", rule)
+    monkeypatch.setattr(meta, "numbers_rows", rule)
+
+
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=requires_kernels)])
+@pytest.mark.parametrize("case", ["per_stream", "shared", "packed", "tiled"])
+def test_slots_as_rows_equal_the_numbered_working_set_bitwise(case, kernels, monkeypatch):
+    """Where the working set would be as large as the bank (T (W + R) >= S), the call runs on
+    the slots themselves, with no numbering: out and every gradient are bitwise those of the
+    numbered working set, and no entry is numbered."""
+    make, C = CASES[case]
+    a = make(KERNEL_DEVICE if kernels else "cpu")
+    B, T, H, W = a["write_idx"].shape
+    assert not working_set.numbers_rows(T, W, a["read_idx"].shape[-1], a["bank"].shape[-2], False)
+    with mock.patch.object(working_set, "working_rows", side_effect=AssertionError("numbered")):
+        out, _, grads = _run(a, False, kernels, C)
+    _force_numbering(monkeypatch)
+    want_out, _, want = _run(a, False, kernels, C)
+    assert torch.equal(out, want_out)
+    for k in want:
+        assert torch.equal(grads[k], want[k]), f"d{k}"

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..layout import QUANT_GROUP, SKIP_SNAPSHOT
-from ..working_set import working_set_rows
+from ..working_set import numbers_rows, working_set_rows
 
 
 def weight_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -180,6 +180,9 @@ def sparse_delta_memory_fake(a) -> tuple[Tensor, Tensor, list[Tensor]]:
         kept += [chunks, seq_chunks]
     if a.output_final_state:
         return out, bank_out, kept
+    W, R = a.write_idx.shape[-1], a.read_idx.shape[-1]
+    if not numbers_rows(T, W, R, S, a.output_final_state):
+        return out, bank.new_empty(0), kept
     return out, bank.new_empty(0), kept + _working_rows(a.write_idx, a.read_idx, bank, cu_seqlens)
 
 

@@ -172,6 +172,7 @@ def _recurrence_fwd(
     write_src: Tensor | None = None,
     read_src: Tensor | None = None,
     row_slots: Tensor | None = None,
+    copy_unwritten: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 2: (out, bank_out, snap, snap_scale, res, delta) from the initial ``bank``
     ([B, H, S, D] or shared [H, S, D]); see ``kernels/recurrence_fwd.py``. ``read_rank`` is
@@ -183,7 +184,9 @@ def _recurrence_fwd(
     entries' rows in a working set and ``write_src`` and ``read_src`` their slots in ``bank``:
     bank_out is the working set at the end, ``[banks, H, U, D]``, of which only the written
     rows are defined, and nothing is copied. ``snapshot`` may also be ``SKIP_SNAPSHOT``: no
-    snapshot, and snap, snap_scale, res and delta are empty (a forward without backward)."""
+    snapshot, and snap, snap_scale, res and delta are empty (a forward without backward).
+    Without ``copy_unwritten`` (a call that returns no final state, on the slots themselves)
+    the rows no chunk writes are not copied either: bank_out holds only the written rows."""
 
 
 @_recurrence_fwd.kernels
@@ -197,7 +200,7 @@ def _recurrence_fwd_kernels(a) -> tuple[Tensor, ...]:
     keep = a.snapshot != SKIP_SNAPSHOT
     with on_device(a.v):
         kc.first_writes(a.write_idx, a.X.shape[-1], a.chunks, a.seq_chunks, first)
-        if a.row_slots is None:
+        if a.row_slots is None and a.copy_unwritten:
             # Phase 2 reads each row from the input bank until its stream first writes it, so
             # only the rows that no chunk writes are copied.
             kc.bank_copy_unwritten(a.bank, bank_out, first)
@@ -466,11 +469,13 @@ recurrence_bwd = _recurrence_bwd.op
 
 
 @kernel_op("sdm_internal::rows_to_bank", on="grad_rows", fake=meta.rows_to_bank_fake)
-def _rows_to_bank(grad_rows: Tensor, row_slots: Tensor, bank_rows: int, shared: bool) -> Tensor:
+def _rows_to_bank(
+    grad_rows: Tensor, row_slots: Tensor | None, bank_rows: int, shared: bool
+) -> Tensor:
     """The bank's gradient from the working set's: ``grad_rows [banks, H, U, D]`` (its rows'
-    slots ``row_slots [banks * H, U]``) placed at their slots of a zeroed ``[banks, H, S, D]``
-    (S = ``bank_rows``), or with ``shared`` summed over the banks, in order, into
-    ``[H, S, D]``; see ``kernels/working_set.py``."""
+    slots ``row_slots [banks * H, U]``; None: row u is slot u) placed at their slots of a
+    zeroed ``[banks, H, S, D]`` (S = ``bank_rows``), or with ``shared`` summed over the
+    banks, in order, into ``[H, S, D]``; see ``kernels/working_set.py``."""
 
 
 @_rows_to_bank.kernels

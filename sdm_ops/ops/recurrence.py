@@ -220,10 +220,13 @@ def _sparse_delta_memory(
         if side is not None:
             torch.cuda.current_stream(bank.device).wait_stream(side)
         return _phase2_(bank_out, v, p.beta, write_idx, read_idx, p), bank_out, []
-    # Without the final state, phase 2 runs on the working set: the rows the sequence touches.
-    rows = (
-        None if output_final_state else working_set.working_rows(write_idx, read_idx, S, cu_seqlens)
+    # Without the final state, phase 2 runs on the rows the sequence touches: a numbered working
+    # set, or the slots themselves where that would be as large as the bank
+    # (``working_set.numbers_rows``).
+    numbered = working_set.numbers_rows(
+        T, write_idx.shape[-1], read_idx.shape[-1], S, output_final_state
     )
+    rows = working_set.working_rows(write_idx, read_idx, S, cu_seqlens) if numbered else None
     out, bank_out, *saved = _recurrence_fwd(
         v,
         p.beta,
@@ -239,6 +242,7 @@ def _sparse_delta_memory(
         write_src=None if rows is None else write_idx,
         read_src=None if rows is None else read_idx,
         row_slots=None if rows is None else rows.row_slots,
+        copy_unwritten=output_final_state,
     )
     if not keep_for_backward:
         return out, bank.new_empty(0), []
@@ -263,7 +267,9 @@ def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
     # backward).
     ctx.set_materialize_grads(False)
     ctx.keep_for_backward = keyword_only_inputs["keep_for_backward"]
-    ctx.working_set = not inputs[11]  # output_final_state
+    ctx.final_state = inputs[11]  # output_final_state
+    T, W, R = v.shape[1], write_idx.shape[-1], read_idx.shape[-1]
+    ctx.working_set = working_set.numbers_rows(T, W, R, bank.shape[-2], ctx.final_state)
     ctx.chunk_size, ctx.snapshot, ctx.bank_rows = chunk_size, snapshot, bank.shape[-2]
     ctx.v_dtype, ctx.bank_meta = v.dtype, (bank.dim(), bank.dtype)
     if ctx.keep_for_backward:
@@ -338,6 +344,10 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         if needs[6]:
             to_bank = eager.in_backward(_rows_to_bank, direct)
             dbank = to_bank(dbank, rows.row_slots, ctx.bank_rows, bank_dim == 3)
+    elif bank_dim == 3 and not ctx.final_state:
+        if needs[6]:  # the slots as rows: the batch summed in order, as from a working set
+            to_bank = eager.in_backward(_rows_to_bank, direct)
+            dbank = to_bank(dbank, None, ctx.bank_rows, True)
     elif bank_dim == 3:
         dbank = dbank.sum(0)
     dww = drw = ddc = None
