@@ -5,9 +5,10 @@ The forward and backward of the reference workload's configuration (W = R = 8, D
 64, bfloat16 values; float32 and bfloat16 banks; every snapshot mode; the in-place forward) run
 at a small B and T with every launch recorded instead of run, then each distinct launch is
 compiled as the launcher would specialize it (which arguments are divisible by 16).
-Usage, from the repository root: ``PYTHONPATH=. python tools/ptxas_report.py [CHUNK_SIZE]``
-(without TRITON_INTERPRET; a few minutes; the chunk size defaults to the reference workload's
-64). The GPU's own Triton, if another version, may allocate registers differently.
+Usage, from the repository root: ``PYTHONPATH=. python tools/ptxas_report.py [CHUNK_SIZE]
+[--triton DIR]`` (without TRITON_INTERPRET; a few minutes; the chunk size defaults to the
+reference workload's 64). The GPU's own Triton, if another version, allocates registers
+differently: ``pip install --target DIR triton==3.6.0`` and ``--triton DIR`` compile with it.
 """
 
 from __future__ import annotations
@@ -43,24 +44,40 @@ for module, name, sig, consts, options, divisible in json.load(sys.stdin):
 
 
 def _launches(chunk_size: int = 64) -> list:
-    """Signatures of the distinct launches of the reference workload's configuration."""
+    """Signatures of the distinct launches of the reference workload's configuration: every
+    variant of phase 2's walks the operators launch (with the final state in every snapshot
+    mode, the default call without it on a numbered working set and on the slots themselves,
+    each with and without autograd, the in-place forward and the decode step)."""
     calls: list = []
     _ON_CPU.set(True)  # the operators take the kernel path on CPU tensors; nothing runs
+    floats = ("v", "beta", "write_w", "read_w", "bank", "decay")
     with _recording(calls, run=False):
         for bank_dtype in (torch.float32, torch.bfloat16):
-            a = bench.make_workload(
-                1, 128, 2, 64, 4096, 8, 8, decay=True, bank_dtype=bank_dtype, dev="cpu"
-            )
-            for name in ("v", "beta", "write_w", "read_w", "bank", "decay"):
-                a[name].requires_grad_()
-            for mode in ("none", "bf16", "fp8", "int4"):
-                out, bank = sdm_ops.sparse_delta_memory(
-                    **a, snapshot=mode, chunk_size=chunk_size, output_final_state=True
+            # S = 4096 > T (W + R): a numbered working set; S = 1024: the slots themselves.
+            for S in (4096, 1024):
+                a = bench.make_workload(
+                    1, 128, 2, 64, S, 8, 8, decay=True, bank_dtype=bank_dtype, dev="cpu"
                 )
-                loss = out.float().sum() + bank.float().sum()
-                torch.autograd.grad(loss, [t for t in a.values() if t.requires_grad])
-            with torch.no_grad():
-                sdm_ops.sparse_delta_memory(**a, chunk_size=chunk_size, output_final_state=True)
+                for name in floats:
+                    a[name].requires_grad_()
+                for mode in ("none", "bf16", "fp8", "int4") if S == 4096 else ("none",):
+                    for final in (True, False):
+                        out, bank = sdm_ops.sparse_delta_memory(
+                            **a, snapshot=mode, chunk_size=chunk_size, output_final_state=final
+                        )
+                        loss = out.float().sum() + (bank.float().sum() if final else 0)
+                        torch.autograd.grad(loss, [t for t in a.values() if t.requires_grad])
+                with torch.no_grad():
+                    for final in (True, False):
+                        sdm_ops.sparse_delta_memory(
+                            **a, chunk_size=chunk_size, output_final_state=final
+                        )
+                    state = a["bank"].expand(1, *a["bank"].shape[-3:]).clone()
+                    rest = {k: x for k, x in a.items() if k != "bank"}
+                    sdm_ops.sparse_delta_memory_(**rest, bank=state, chunk_size=chunk_size)
+                    sdm_ops.sparse_delta_memory_(
+                        **{k: x[:, :1] for k, x in rest.items()}, bank=state
+                    )
     seen, unique = set(), []
     for launch in calls:
         sig = _signature(*launch) + (_divisible(*launch),)
@@ -87,12 +104,14 @@ def _divisible(kernel, args, kwargs) -> list:
     ]
 
 
-def main() -> None:
-    if os.environ.get("TRITON_INTERPRET"):
-        sys.exit("run without TRITON_INTERPRET: the kernels are compiled, not interpreted")
-    chunk_size = int(sys.argv[1]) if len(sys.argv) > 1 else 64
-    launches = _launches(chunk_size)
-    env = dict(os.environ)
+def registers(launches: list, triton_dir: str | None = None) -> list[dict]:
+    """Each launch's registers and spilled bytes a thread, compiled for sm_90a by this Triton
+    and its ptxas, or by the Triton installed in ``triton_dir`` (``pip install --target``) and
+    the ptxas it carries: ``[{"name", "regs", "spill", "consts", "types", "warps"}]``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [root] + ([os.path.abspath(triton_dir)] if triton_dir else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths[::-1] + [env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE],
         input=json.dumps(launches),
@@ -101,12 +120,15 @@ def main() -> None:
         env=env,
     )
     if done.returncode:
-        sys.exit(done.stderr[-3000:])
-    from triton.backends.nvidia.compiler import get_ptxas
+        raise RuntimeError(done.stderr[-3000:])
+    if triton_dir:
+        ptxas = os.path.join(triton_dir, "triton", "backends", "nvidia", "bin", "ptxas")
+    else:
+        from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(90)
-    ptxas = getattr(ptxas, "path", ptxas)
-    print(f"{'kernel':<26}{'regs':>5}{'spill B':>8}  constexprs")
+        ptxas = get_ptxas(90)
+        ptxas = getattr(ptxas, "path", ptxas)
+    rows = []
     for line, (_, _, sig, consts, options, _) in zip(done.stdout.strip().splitlines(), launches):
         name, ptx = json.loads(line)
         with tempfile.TemporaryDirectory() as tmp:
@@ -120,11 +142,43 @@ def main() -> None:
             ).stderr
         regs = re.search(r"Used (\d+) registers", info)
         spill = re.search(r"(\d+) bytes spill stores", info)
-        shown = {k: v for k, v in consts.items() if v is not None and k not in ("D",)}
-        types = ",".join(f"{k}={v}" for k, v in sig.items() if k in ("bank", "snap"))
+        rows.append(
+            dict(
+                name=name,
+                regs=int(regs.group(1)) if regs else None,
+                spill=int(spill.group(1)) if spill else None,
+                consts={k: v for k, v in consts.items() if v is not None and k != "D"},
+                types={k: v for k, v in sig.items() if k in ("bank", "snap")},
+                warps=options.get("num_warps"),
+            )
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python tools/ptxas_report.py", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("chunk_size", nargs="?", type=int, default=64)
+    parser.add_argument(
+        "--triton",
+        metavar="DIR",
+        help="compile with the Triton installed in DIR (pip install --target DIR triton==X), "
+        "and its ptxas: the GPU's own compiler where it differs from this one",
+    )
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        sys.exit("run without TRITON_INTERPRET: the kernels are compiled, not interpreted")
+    rows = registers(_launches(args.chunk_size), args.triton)
+    print(f"{'kernel':<26}{'regs':>5}{'spill B':>8}  constexprs")
+    for r in rows:
+        types = ",".join(f"{k}={v}" for k, v in r["types"].items())
+        spill = "?" if r["spill"] is None else r["spill"]
         print(
-            f"{name:<26}{regs.group(1) if regs else '?':>5}{spill.group(1) if spill else '?':>8}"
-            f"  {shown} {types} warps={options.get('num_warps')}"
+            f"{r['name']:<26}{r['regs'] or '?':>5}{spill:>8}"
+            f"  {r['consts']} {types} warps={r['warps']}"
         )
 
 
