@@ -99,7 +99,7 @@ def kernel_op(
         def body(*args, **kwargs):
             a = Args(*args, **kwargs)
             if contiguous:
-                a = Args._make(x.contiguous() if isinstance(x, Tensor) else x for x in a)
+                a = Args._make([x.contiguous() if isinstance(x, Tensor) else x for x in a])
             if use_kernels(getattr(a, on)):
                 return paths["kernels"](a)
             return paths["twin"](*a)
