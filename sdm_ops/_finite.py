@@ -69,19 +69,18 @@ def clean(
     if decay is not None:
         ok_d = valid_w & _finite(decay)
         bad_w = bad_w | (valid_w & ~ok_d)
-        decay = torch.where(ok_d, decay, torch.ones((), dtype=decay.dtype, device=decay.device))
+        decay = torch.where(ok_d, decay, 1.0)
     writes = valid_w.any(-1)
     beta_ok = writes & _finite(beta)
     write_bad = bad_w.any(-1) | (writes & ~_finite(beta))
-    zero = torch.zeros((), dtype=beta.dtype, device=beta.device)
-    beta = torch.where(beta_ok, beta, zero)
+    beta = torch.where(beta_ok, beta, 0.0)
     bad_r = valid_r & ~_finite(read_w)
     bad_reads = valid_r & bad_r.any(-1, keepdim=True)
     return Clean(
         beta=beta,
-        beta_walk=torch.where(write_bad, torch.full((), float("nan"), dtype=beta.dtype), beta),
-        write_w=torch.where(ok_w, write_w, torch.zeros((), dtype=write_w.dtype)),
-        read_w=torch.where(valid_r & ~bad_r, read_w, torch.zeros((), dtype=read_w.dtype)),
+        beta_walk=torch.where(write_bad, float("nan"), beta),
+        write_w=torch.where(ok_w, write_w, 0.0),
+        read_w=torch.where(valid_r & ~bad_r, read_w, 0.0),
         decay=decay,
         bad_reads=bad_reads,
     )
@@ -91,7 +90,7 @@ def poison_reads(gather_r: Tensor, bad_reads: Tensor) -> Tensor:
     """Phase 1's read gather weights with NaN on the read entries of a token whose read
     weights are not finite (``Clean.bad_reads``): phase 2's read of that token is then not
     finite, and its outputs from there on are NaN."""
-    return torch.where(bad_reads, torch.full((), float("nan"), dtype=gather_r.dtype), gather_r)
+    return torch.where(bad_reads, float("nan"), gather_r)
 
 
 class Kept(NamedTuple):
@@ -105,7 +104,7 @@ class Kept(NamedTuple):
 
     @staticmethod
     def _keep(mask: Tensor, grad: Tensor) -> Tensor:
-        return torch.where(mask, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+        return torch.where(mask, grad, 0.0)
 
     def keep_beta(self, grad: Tensor) -> Tensor:
         return self._keep(self.beta, grad)
