@@ -121,7 +121,8 @@ def test_backward_of_the_operator_run_without_keep_for_backward_raises_a_clear_e
     """What the public function passes without autograd (the inference forward) keeps nothing:
     a backward asked of it later says so. With it, the operator's third output holds what the
     backward reads, none of it differentiable."""
-    a = make_sdm_inputs(T=9, seed=31)
+    # S = 64 > T (W + R) = 45: without the final state the call numbers a working set.
+    a = make_sdm_inputs(T=9, S=64, seed=31)
     v = a["v"].clone().requires_grad_()
     args = [dict(a, v=v).get(k) for k in ORDER]
     _, _, kept = torch.ops.sdm.sparse_delta_memory(*args, output_final_state=True)

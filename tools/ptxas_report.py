@@ -43,13 +43,8 @@ for module, name, sig, consts, options, divisible in json.load(sys.stdin):
 """
 
 
-def _launches(chunk_size: int = 64) -> list:
-    """Signatures of the distinct launches of the reference workload's configuration: every
-    variant of phase 2's walks the operators launch (with the final state in every snapshot
-    mode, the default call without it on a numbered working set and on the slots themselves,
-    each with and without autograd, the in-place forward and the decode step)."""
-    calls: list = []
-    _ON_CPU.set(True)  # the operators take the kernel path on CPU tensors; nothing runs
+def _record_walks(calls: list, chunk_size: int) -> None:
+    """Run every call of ``_launches`` with its launches recorded in ``calls``, not run."""
     floats = ("v", "beta", "write_w", "read_w", "bank", "decay")
     with _recording(calls, run=False):
         for bank_dtype in (torch.float32, torch.bfloat16):
@@ -78,6 +73,22 @@ def _launches(chunk_size: int = 64) -> list:
                     sdm_ops.sparse_delta_memory_(
                         **{k: x[:, :1] for k, x in rest.items()}, bank=state
                     )
+
+
+def _launches(chunk_size: int = 64) -> list:
+    """Signatures of the distinct launches of the reference workload's configuration: every
+    variant of phase 2's walks the operators launch (with the final state in every snapshot
+    mode, the default call without it on a numbered working set and on the slots themselves,
+    each with and without autograd, the in-place forward and the decode step)."""
+    calls: list = []
+    # The operators take the kernel path on CPU tensors (nothing runs), in this call only: the
+    # flag is reset however the call ends, so that later work in the process (a test session)
+    # runs the CPU reference again.
+    token = _ON_CPU.set(True)
+    try:
+        _record_walks(calls, chunk_size)
+    finally:
+        _ON_CPU.reset(token)
     seen, unique = set(), []
     for launch in calls:
         sig = _signature(*launch) + (_divisible(*launch),)
