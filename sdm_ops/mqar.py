@@ -22,15 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-
-from .nn import SparseDeltaMemory
+from ._cli import STEPS, TARGET_ACCURACY, add_training_options
 
 IGNORE = -100
-TARGET_ACCURACY = 0.9
-STEPS = 500  # default training steps
 
 
 @dataclass(frozen=True)
@@ -77,6 +71,31 @@ class MQARTask:
         labels = torch.full_like(tokens, IGNORE)
         labels[:, 2 * P :] = values.gather(1, asked)
         return tokens.to(device), labels.to(device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sdm_ops.mqar",
+        description=f"Train the small SparseDeltaMemory model of sdm_ops.mqar on multi-query "
+        f"associative recall ({MQARTask.num_pairs} key-value pairs, then "
+        f"{MQARTask.num_queries} of the keys again; the model answers each with its "
+        f"value) and print its recall accuracy on held-out sequences. Progress: a "
+        f"line when compiling starts and ends, then a line every few seconds with "
+        f"the step, loss, time elapsed and time left. The exit status is 0 when the "
+        f"accuracy reaches {TARGET_ACCURACY}, else 1.",
+    )
+    add_training_options(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and malformed options end here, before torch loads
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .nn import SparseDeltaMemory
 
 
 class TokenShift(nn.Module):
@@ -310,62 +329,6 @@ def train(
     return acc
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def add_training_options(parser: argparse.ArgumentParser) -> None:
-    """The training options shared by ``python -m sdm_ops.mqar`` and ``python -m
-    sdm_ops.demo``."""
-    parser.add_argument(
-        "--steps",
-        type=_positive_int,
-        default=STEPS,
-        help=f"training steps, one fresh batch of 32 sequences each (default {STEPS})",
-    )
-    parser.add_argument(
-        "--device",
-        default=default_device(),
-        help="device to run on (default: cuda if available, else cpu)",
-    )
-    parser.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="train the eager model instead of compiling it with torch.compile(fullgraph=True)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the model's initialization and of the training batches (default 0)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="CPU threads of PyTorch's operators (default: PyTorch's own, one "
-        "a core); where other processes keep the cores busy, 1 avoids "
-        "threads waiting on each other and runs several times faster",
-    )
-    parser.add_argument(
-        "--log-interval",
-        type=_seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="seconds between progress lines (default 5)",
-    )
-
-
 def set_threads(args: argparse.Namespace) -> None:
     """``torch.set_num_threads(args.threads)`` where ``--threads`` was given."""
     if args.threads is not None:
@@ -382,21 +345,6 @@ def train_from_args(args: argparse.Namespace) -> float:
         seed=args.seed,
         log_interval=args.log_interval,
     )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m sdm_ops.mqar",
-        description=f"Train the small SparseDeltaMemory model of sdm_ops.mqar on multi-query "
-        f"associative recall ({MQARTask.num_pairs} key-value pairs, then "
-        f"{MQARTask.num_queries} of the keys again; the model answers each with its "
-        f"value) and print its recall accuracy on held-out sequences. Progress: a "
-        f"line when compiling starts and ends, then a line every few seconds with "
-        f"the step, loss, time elapsed and time left. The exit status is 0 when the "
-        f"accuracy reaches {TARGET_ACCURACY}, else 1.",
-    )
-    add_training_options(parser)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

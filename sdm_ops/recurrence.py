@@ -30,11 +30,7 @@ from ._checks import (
     data_checks_enabled,
     data_checks_wanted,
 )
-from .layout import SNAPSHOT_MODES
-
-CHUNK_SIZES = (16, 32, 64, 128)
-HEAD_DIMS = (16, 32, 64, 128, 256)
-MAX_ENTRIES = 64
+from .layout import CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES, SNAPSHOT_MODES
 
 
 class SDMOutput(NamedTuple):

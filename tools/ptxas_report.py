@@ -12,12 +12,33 @@ Usage, from the repository root: ``PYTHONPATH=. python tools/ptxas_report.py [CH
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="PYTHONPATH=. python tools/ptxas_report.py",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "chunk_size",
+        nargs="?",
+        type=int,
+        default=64,
+        metavar="CHUNK_SIZE",
+        help="the recurrence's chunk (default 64, the reference workload's)",
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and malformed options end here, before torch loads
 
 import torch
 
@@ -88,9 +109,9 @@ def _divisible(kernel, args, kwargs) -> list:
 
 
 def main() -> None:
+    chunk_size = build_parser().parse_args().chunk_size
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("run without TRITON_INTERPRET: the kernels are compiled, not interpreted")
-    chunk_size = int(sys.argv[1]) if len(sys.argv) > 1 else 64
     launches = _launches(chunk_size)
     env = dict(os.environ)
     done = subprocess.run(
