@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -179,7 +180,13 @@ def export_decode(
 
 def _package(program: torch.export.ExportedProgram, path: Path) -> str:
     t0 = time.perf_counter()
-    out = torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    with warnings.catch_warnings():
+        # Packaging copies the program's tree specs, and torch 2.13's deprecated LeafSpec
+        # warns whenever one is made: PyTorch's own use, nothing a caller can change.
+        warnings.filterwarnings(
+            "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning
+        )
+        out = torch._inductor.aoti_compile_and_package(program, package_path=str(path))
     print(f"  {path} ({time.perf_counter() - t0:.0f} s)")
     return out
 
