@@ -44,10 +44,12 @@ On one H200 the default sweep (9 numbers of pairs, both models) takes about 7 mi
 half of it at the first number of pairs (1500 steps a model, and the kernels compile); each
 later number of pairs takes about 15 s for the SDM model and 8 s for the dense one.
 
-It prints progress lines while it trains, a table (pairs, sequence length, each model's recall
-and training time) at the end, and writes a PNG plot of recall against pairs (``--plot``;
-matplotlib is the optional extra ``plot``) and, with ``--json``, the results, which
-``benchmarks/table.py`` renders as Markdown and ``--from-json`` plots again.
+It prints progress lines while it trains (each with the model's step and loss, then the whole
+sweep's steps done of its total, time elapsed and time left), a table (pairs, sequence
+length, each model's recall and training time) at the end, and writes a PNG plot of recall
+against pairs (``--plot``; matplotlib is the optional extra ``plot``) and, with ``--json``,
+the results, which ``benchmarks/table.py`` renders as Markdown and ``--from-json`` plots
+again.
 """
 
 from __future__ import annotations
@@ -197,9 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog="Output: a header naming both layers and their parameter counts, progress\n"
-        "lines while each model trains (its step, loss, time elapsed and time left),\n"
-        "a line per trained model, then the table. Without matplotlib it prints the\n"
-        f"table and says how to get the plot ({_plot.INSTALL_HINT}).\n"
+        "lines while each model trains (its step and loss, then the whole sweep's steps\n"
+        "done of its total, time elapsed and time left), a line per trained model, then\n"
+        "the table. Without matplotlib it prints the table and says how to get the\n"
+        f"plot ({_plot.INSTALL_HINT}).\n"
         f"--small: pairs {' '.join(map(str, s.pairs))}, d_model {s.d_model}, "
         f"{s.heads} heads of {s.head_dim},\nfactors {' '.join(map(str, s.factors))}, "
         f"top-{s.topk}, {s.steps} steps: about a quarter of an hour on one busy CPU\n"
@@ -706,13 +709,14 @@ def train_point(
     model: RecallModel | None = None,
     log: Callable[[str], None] = print,
     log_interval: float = 5.0,
+    status: Callable[[int], str] | None = None,
 ) -> Trained:
     """Train model ``kind`` on ``pairs`` pairs (AdamW, linear warmup, cosine decay; batches
     drawn from ``cfg.seed`` and ``pairs``, the same for both models) and evaluate it on
     :func:`eval_batch`. ``model`` continues training a model of this kind (updated in place)
     for ``cfg.steps`` steps; without it, a new one (:func:`build_model`) trains
     ``cfg.new_model_steps``. Progress lines go to ``log``, each prefixed with the model and
-    the pairs."""
+    the pairs, and end with ``status(step)`` where given (see :class:`mqar.Progress`)."""
     device = torch.device(device)
     task = cfg.task(pairs)
     B, Q = cfg.batch_size(task.seq_len), task.num_queries
@@ -731,7 +735,9 @@ def train_point(
     )
     g = torch.Generator().manual_seed(cfg.seed * 65537 + pairs)
     prefix = f"  {kind} {pairs} pairs: "
-    progress = mqar.Progress(steps, interval=log_interval, log=lambda s: log(prefix + s))
+    progress = mqar.Progress(
+        steps, interval=log_interval, log=lambda s: log(prefix + s), status=status
+    )
     _sync(device)
     progress.begin()
     loss_value = float("nan")
@@ -752,6 +758,48 @@ def train_point(
     tokens, labels = eval_batch(task, cfg.eval_sequences)
     acc = recall(model, tokens, labels, B, device)
     return Trained(kind, pairs, task.seq_len, B, Q, steps, acc, train_s, loss_value, model)
+
+
+class SweepProgress:
+    """The whole sweep's progress, for the lines of each run (:meth:`status`): the steps done
+    of the sweep's total, the time elapsed and an estimate of the time left, each model's steps
+    left at its mean time a step so far (evaluations included; a model that has not run yet
+    at the mean of the steps so far). :meth:`begin` and :meth:`end` bracket each run."""
+
+    def __init__(
+        self, runs: Sequence[tuple[str, int]], clock: Callable[[], float] = time.perf_counter
+    ):
+        self.clock = clock
+        self.todo: dict[str, int] = {}  # the sweep's steps of each model
+        for kind, steps in runs:
+            self.todo[kind] = self.todo.get(kind, 0) + steps
+        self.total = sum(self.todo.values())
+        self.done = dict.fromkeys(self.todo, 0)
+        self.spent = dict.fromkeys(self.todo, 0.0)
+        self.kind = runs[0][0] if runs else ""
+        self.start = self.run_start = clock()
+
+    def begin(self, kind: str) -> None:
+        self.kind, self.run_start = kind, self.clock()
+
+    def end(self, steps: int) -> None:
+        self.done[self.kind] += steps
+        self.spent[self.kind] += self.clock() - self.run_start
+
+    def status(self, step: int) -> str:
+        """``sweep D/N steps  elapsed E s  about L s left``, ``step`` steps into the run."""
+        now = self.clock()
+        done, spent = dict(self.done), dict(self.spent)
+        done[self.kind] += step
+        spent[self.kind] += now - self.run_start
+        mean = sum(spent.values()) / max(sum(done.values()), 1)
+        left = sum(
+            (self.todo[k] - done[k]) * (spent[k] / done[k] if done[k] else mean) for k in self.todo
+        )
+        return (
+            f"sweep {sum(done.values())}/{self.total} steps  elapsed {now - self.start:.0f} s  "
+            f"about {left:.0f} s left"
+        )
 
 
 def _device_name(device: torch.device) -> str:
@@ -808,22 +856,33 @@ def sweep(
     last: dict[str, Trained] = {}
     start = time.perf_counter()
     runs = [(p, kind) for p in cfg.pairs for kind in MODELS]
+    steps = [
+        cfg.new_model_steps if i < len(MODELS) or not cfg.warm_start else cfg.steps
+        for i in range(len(runs))
+    ]
+    progress = SweepProgress([(kind, n) for (_, kind), n in zip(runs, steps)])
     for i, (pairs, kind) in enumerate(runs, 1):
         task = cfg.task(pairs)
         previous = last.get(kind) if cfg.warm_start else None
-        if previous is None:
-            origin, steps = "new", cfg.new_model_steps
-        else:
-            origin, steps = f"from {previous.pairs} pairs", cfg.steps
+        origin = "new" if previous is None else f"from {previous.pairs} pairs"
         log(
-            f"[{i}/{len(runs)}] {kind} at {pairs} pairs ({origin}, {steps} steps): "
+            f"[{i}/{len(runs)}] {kind} at {pairs} pairs ({origin}, {steps[i - 1]} steps): "
             f"T = {task.seq_len}, batch {cfg.batch_size(task.seq_len)} "
             f"({time.perf_counter() - start:.0f} s so far)"
         )
         start_from = None if previous is None else copy.deepcopy(previous.model)
+        progress.begin(kind)
         t = train_point(
-            kind, pairs, cfg, device, model=start_from, log=log, log_interval=log_interval
+            kind,
+            pairs,
+            cfg,
+            device,
+            model=start_from,
+            log=log,
+            log_interval=log_interval,
+            status=progress.status,
         )
+        progress.end(t.steps)
         last[kind] = t
         log(f"  {kind} {pairs} pairs: recall {t.recall:.4f}, trained in {t.train_s:.1f} s")
         trained.append(t)

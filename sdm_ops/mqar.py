@@ -215,6 +215,8 @@ class Progress:
     ``interval`` seconds, and at the last step: the step, the mean loss and train accuracy
     since the previous line, the time elapsed since :meth:`begin` and an estimate of the
     training time left (the steps left times the mean time of the steps after the first).
+    ``status(step)``, where given, replaces the time elapsed and left (a sweep of several runs
+    states its own).
     """
 
     def __init__(
@@ -225,9 +227,10 @@ class Progress:
         compiling: bool = False,
         log: Callable[[str], None] = print,
         clock: Callable[[], float] = time.perf_counter,
+        status: Callable[[int], str] | None = None,
     ):
         self.steps, self.interval, self.compiling = steps, interval, compiling
-        self.log, self.clock = log, clock
+        self.log, self.clock, self.status = log, clock, status
         self.start = self.last = self.first = 0.0
         self._reset()
 
@@ -258,12 +261,15 @@ class Progress:
                     return
         if now - self.last < self.interval and step < self.steps:
             return
-        per_step = (now - self.first) / (step - 1) if step > 1 else (now - self.start) / step
-        left = per_step * (self.steps - step)
+        if self.status is None:
+            per_step = (now - self.first) / (step - 1) if step > 1 else (now - self.start) / step
+            left = per_step * (self.steps - step)
+            status = f"elapsed {now - self.start:.0f} s  about {left:.0f} s left"
+        else:
+            status = self.status(step)
         self.log(
             f"step {step}/{self.steps}  loss {self.loss_sum / self.count:.4f}  "
-            f"train accuracy {self.hits / max(self.total, 1):.3f}  "
-            f"elapsed {now - self.start:.0f} s  about {left:.0f} s left"
+            f"train accuracy {self.hits / max(self.total, 1):.3f}  {status}"
         )
         self.last = now
         self._reset()
