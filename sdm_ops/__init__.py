@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 # `python -m sdm_ops.<command> --help` prints at once: while Python locates a command given to
 # -m it imports this package with sys.argv[0] set to "-m" (the documented behaviour of -m), and
 # a command prints its help before it imports torch. Any other import loads everything.
-if sys.argv[:1] != ["-m"] or {"-h", "--help"}.isdisjoint(sys.argv[1:]):
+_argv = getattr(sys, "argv", [])
+if _argv[:1] != ["-m"] or {"-h", "--help"}.isdisjoint(_argv[1:]):
     from . import nn  # noqa: F401  (sdm_ops.nn.SparseDeltaMemory)
     from . import ops as _ops  # noqa: F401  (registers the sdm:: and sdm_internal:: operators)
     from ._checks import set_strict_checks, strict_checks, strict_checks_enabled

@@ -166,8 +166,10 @@ class Config:
             raise ValueError(f"eval_sequences must be positive, got {self.eval_sequences}")
 
 
+# A few minutes on a CPU, most of them the dense layer's: its full addressing (W = R = 16 on
+# the reference path) costs each step several times the SDM layer's top-4.
 SMALL = Config(
-    pairs=(4, 16, 64),
+    pairs=(4, 16),
     max_queries=32,
     values=32,
     d_model=32,
@@ -177,10 +179,10 @@ SMALL = Config(
     topk=4,
     layers=2,
     chunk_size=16,
-    steps=250,
+    steps=100,
     first_steps=None,
-    batch_tokens=512,
-    max_batch=32,
+    batch_tokens=256,
+    max_batch=16,
     lr=1e-2,
     warmup=20,
     eval_sequences=64,
@@ -205,8 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"plot ({_plot.INSTALL_HINT}).\n"
         f"--small: pairs {' '.join(map(str, s.pairs))}, d_model {s.d_model}, "
         f"{s.heads} heads of {s.head_dim},\nfactors {' '.join(map(str, s.factors))}, "
-        f"top-{s.topk}, {s.steps} steps: about a quarter of an hour on one busy CPU\n"
-        "core, most of it the dense layer's full addressing on the CPU reference path.\n"
+        f"top-{s.topk}, {2 * s.steps} steps new then {s.steps}: SMALL_TIME on 2 CPU cores\n"
+        "(the README says how it was measured), most of it the dense layer's full\n"
+        "addressing on the CPU reference path.\n"
         "On a GPU, float32 matmuls run in TF32 (torch.set_float32_matmul_precision).",
     )
     task = parser.add_argument_group("task")

@@ -7,9 +7,11 @@ reference (and the top-k against the brute force), printing what it checked. The
 small model built on ``sdm_ops.nn.SparseDeltaMemory`` on multi-query associative recall under
 ``torch.compile(fullgraph=True)`` (``sdm_ops.mqar``), printing when it compiles and how long
 compiling took, then a line every few seconds with the step, loss, time elapsed and time left,
-and ends with ``recall accuracy: <fraction>`` on held-out sequences. The exit status is 0 when
-every check passes and the accuracy reaches ``TARGET_ACCURACY``, else 1. It runs on CUDA
-when available (the Triton kernels), else on the CPU (the operators' reference path).
+and ends with ``recall accuracy: <fraction>`` on held-out sequences and whether that reached
+``TARGET_ACCURACY`` (with what to try when it did not). The exit status is 0 when every check
+passes and the accuracy reaches the target, else 1. It runs on CUDA when available (the Triton
+kernels), else on the CPU (the operators' reference path). Training is deterministic for a
+given seed, device and thread count.
 """
 
 from __future__ import annotations
@@ -72,11 +74,14 @@ def main(argv=None) -> int:
     ok = check_operators(args)
     print(
         "training a 2-block model with SparseDeltaMemory layers on multi-query associative "
-        f"recall ({mqar.MQARTask.num_pairs} key-value pairs, then "
-        f"{mqar.MQARTask.num_queries} queries)"
+        f"recall ({mqar.MQARTask.num_pairs} key-value pairs drawn from "
+        f"{mqar.MQARTask.num_keys} keys, then {mqar.MQARTask.num_queries} queries)"
     )
     acc = mqar.train_from_args(args)
-    return 0 if ok and acc >= TARGET_ACCURACY else 1
+    reached = mqar.report(acc, args)
+    if not ok:
+        print("the operator checks FAILED (see [FAILED] above): exit status 1")
+    return 0 if ok and reached else 1
 
 
 def check_operators(args) -> bool:

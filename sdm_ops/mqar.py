@@ -10,8 +10,19 @@ value paired with that key; every other position is ignored
 ``python -m sdm_ops.mqar`` (or ``main()``) trains the model of :class:`MQARModel` under
 ``torch.compile(fullgraph=True)``, printing progress (when it compiles, then a line every few
 seconds with the step, loss, time elapsed and time left), and ends with ``recall accuracy:
-<fraction>`` on held-out sequences; its exit status is 0 when the accuracy reaches
-``TARGET_ACCURACY`` (0.9). ``--help`` lists the options.
+<fraction>`` on held-out sequences and whether that reached ``TARGET_ACCURACY`` (0.95; with
+what to try when it did not); its exit status is 0 when it did. ``--help`` lists the options.
+
+The recipe, the defaults of :class:`MQARTask`, :class:`MQARModel` and :func:`train`, is the
+demo's (``python -m sdm_ops.demo``): 8 pairs drawn from 32 keys and 64 values, then 8 queries
+(T = 24); two blocks of width 64, each memory two heads of 32 over 16 x 16 slots, top-4 reads
+and writes; ``STEPS`` steps of 32 sequences, AdamW at a peak learning rate of 5e-3 after 20
+steps of warmup, then cosine decay. Why: top-4 rather than top-8 halves a step's time on the
+CPU (the reference's cost grows with the square of a token's entries); 32 keys of 4 slots
+fill half of a head's 256 slots, so the model can give every key slots of its own, where 64
+keys fill them all and some seeds settle with keys sharing slots, recall stuck below 0.95; a
+peak learning rate of 1e-2 left more seeds short. Training is deterministic for a given seed,
+device and thread count.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class MQARTask:
-    num_keys: int = 64
+    num_keys: int = 32
     num_values: int = 64
     num_pairs: int = 8
     num_queries: int = 8
@@ -145,8 +156,8 @@ class MQARModel(nn.Module):
         heads: int = 2,
         head_dim: int = 32,
         factors: Sequence[int] = (16, 16),
-        read_topk: int = 8,
-        write_topk: int = 8,
+        read_topk: int = 4,
+        write_topk: int = 4,
         use_decay: bool = True,
         chunk_size: int = 16,
     ):
@@ -283,7 +294,7 @@ def train(
     *,
     task: MQARTask = MQARTask(),
     batch_size: int = 32,
-    lr: float = 1e-2,
+    lr: float = 5e-3,
     weight_decay: float = 0.01,
     warmup: int = 20,
     seed: int = 0,
@@ -328,9 +339,13 @@ def train(
         opt.step()
         sched.step()
         progress.update(step, loss.item(), int(h), int(n))
+    train_s = progress.elapsed()
     log(f"evaluating on {eval_sequences} held-out sequences...")
     acc = evaluate(model, task, sequences=eval_sequences, device=device)
-    log(f"trained and evaluated in {progress.elapsed():.0f} s")
+    log(
+        f"trained in {train_s:.0f} s{' (compiling included)' if compile else ''}, "
+        f"evaluated in {progress.elapsed() - train_s:.0f} s"
+    )
     log(f"recall accuracy: {acc:.4f}")
     return acc
 
@@ -353,11 +368,28 @@ def train_from_args(args: argparse.Namespace) -> float:
     )
 
 
+def report(acc: float, args: argparse.Namespace, log: Callable[[str], None] = print) -> bool:
+    """Whether ``acc`` reaches ``TARGET_ACCURACY``, said in the last lines; a run that falls
+    short says so and what to try (the options of :func:`add_training_options`)."""
+    if acc >= TARGET_ACCURACY:
+        log(f"target reached: recall accuracy {acc:.4f} >= {TARGET_ACCURACY}")
+        return True
+    log(
+        f"SHORT OF THE TARGET: recall accuracy {acc:.4f} < {TARGET_ACCURACY} after "
+        f"{args.steps} steps (seed {args.seed}); exit status 1"
+    )
+    log(
+        f"try more steps (--steps {2 * args.steps}): recall comes late in training, once "
+        f"the model has learned to store; or another seed (--seed {args.seed + 1})"
+    )
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Train on MQAR; exit status 0 when the recall accuracy reaches ``TARGET_ACCURACY``."""
     args = build_parser().parse_args(argv)
     set_threads(args)
-    return 0 if train_from_args(args) >= TARGET_ACCURACY else 1
+    return 0 if report(train_from_args(args), args) else 1
 
 
 if __name__ == "__main__":
