@@ -48,12 +48,7 @@ import sys
 import time
 from functools import partial
 
-import torch
-
-import sdm_ops
-from sdm_ops import _plot, _timing
-from sdm_ops import reference as ref
-from sdm_ops.recurrence import CHUNK_SIZES, HEAD_DIMS
+from sdm_ops.layout import CHUNK_SIZES, HEAD_DIMS
 
 PROG = "python -m sdm_ops.bench"
 SECTIONS = (
@@ -74,6 +69,126 @@ DEFAULT_SECTIONS = SECTIONS[:5]
 SNAPSHOTS = ("none", "bf16", "fp8", "int4")
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def _sections(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}"
+        )
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a positive integer, not {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        epilog="Output: one table per section on stdout, each row printed once measured,\n"
+        "and a progress line per case on stderr. Figures are milliseconds unless a\n"
+        "column says otherwise. --json writes every figure with the device and the\n"
+        "versions; benchmarks/table.py in the repository renders such a file as\n"
+        "Markdown tables. --plot PATH writes the state section as a PNG. Without a\n"
+        "CUDA GPU it exits with status 2 (unless --only snapshot-errors, or --plot\n"
+        "with --from-json).",
+    )
+    shape = parser.add_argument_group("workload (the reference workload by default)")
+    for name, default, what in (
+        ("B", 8, "sequences in the batch"),
+        ("T", 4096, "tokens each"),
+        ("H", 8, "heads"),
+        ("S", 65536, "bank slots per head"),
+        ("W", 8, "write entries per token and head"),
+        ("R", 8, "read entries per token and head"),
+    ):
+        shape.add_argument(
+            f"--{name}",
+            type=_positive,
+            default=default,
+            metavar="N",
+            help=f"{what} (default {default})",
+        )
+    shape.add_argument(
+        "--D",
+        type=int,
+        default=64,
+        choices=HEAD_DIMS,
+        metavar="N",
+        help=f"value width, one of {', '.join(map(str, HEAD_DIMS))} (default 64)",
+    )
+    shape.add_argument(
+        "--chunk-size",
+        type=int,
+        default=64,
+        choices=CHUNK_SIZES,
+        metavar="N",
+        help="tokens per chunk of the recurrence, one of "
+        f"{', '.join(map(str, CHUNK_SIZES))} (default 64)",
+    )
+    parser.add_argument(
+        "--only",
+        type=_sections,
+        default=None,
+        metavar="SECTIONS",
+        help="comma-separated sections to run, in the order given, of: "
+        f"{', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)}; with --plot "
+        "alone: state)",
+    )
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the stock-PyTorch reference forward in the main section",
+    )
+    parser.add_argument(
+        "--rep-ms",
+        type=float,
+        default=100.0,
+        metavar="MS",
+        help="milliseconds of repeated calls per measurement, do_bench's rep "
+        "(default 100; at least one call)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH (rewritten after each "
+        "section), e.g. benchmarks/results/NAME.json",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of the state section (time per token against state size) to "
+        "PATH, running that section too (needs matplotlib: pip install 'sdm_ops[plot]')",
+    )
+    parser.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="with --plot: measure nothing, plot the state section of FILE (a --json "
+        "file); needs no GPU",
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and malformed options end here, before torch loads
+
+import torch
+
+import sdm_ops
+from sdm_ops import _plot, _timing
+from sdm_ops import reference as ref
 
 # ---------------------------------------------------------------------------
 # Workloads and their bytes floors
@@ -1076,117 +1191,6 @@ RUNNERS = {
     "snapshot-errors": section_snapshot_errors,
     "state": section_state,
 }
-
-
-# ---------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------
-
-
-def _sections(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SECTIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}"
-        )
-    return names
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"a positive integer, not {text!r}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-        epilog="Output: one table per section on stdout, each row printed once measured,\n"
-        "and a progress line per case on stderr. Figures are milliseconds unless a\n"
-        "column says otherwise. --json writes every figure with the device and the\n"
-        "versions; benchmarks/table.py in the repository renders such a file as\n"
-        "Markdown tables. --plot PATH writes the state section as a PNG. Without a\n"
-        "CUDA GPU it exits with status 2 (unless --only snapshot-errors, or --plot\n"
-        "with --from-json).",
-    )
-    shape = parser.add_argument_group("workload (the reference workload by default)")
-    for name, default, what in (
-        ("B", 8, "sequences in the batch"),
-        ("T", 4096, "tokens each"),
-        ("H", 8, "heads"),
-        ("S", 65536, "bank slots per head"),
-        ("W", 8, "write entries per token and head"),
-        ("R", 8, "read entries per token and head"),
-    ):
-        shape.add_argument(
-            f"--{name}",
-            type=_positive,
-            default=default,
-            metavar="N",
-            help=f"{what} (default {default})",
-        )
-    shape.add_argument(
-        "--D",
-        type=int,
-        default=64,
-        choices=HEAD_DIMS,
-        metavar="N",
-        help=f"value width, one of {', '.join(map(str, HEAD_DIMS))} (default 64)",
-    )
-    shape.add_argument(
-        "--chunk-size",
-        type=int,
-        default=64,
-        choices=CHUNK_SIZES,
-        metavar="N",
-        help="tokens per chunk of the recurrence, one of "
-        f"{', '.join(map(str, CHUNK_SIZES))} (default 64)",
-    )
-    parser.add_argument(
-        "--only",
-        type=_sections,
-        default=None,
-        metavar="SECTIONS",
-        help="comma-separated sections to run, in the order given, of: "
-        f"{', '.join(SECTIONS)} (default {','.join(DEFAULT_SECTIONS)}; with --plot "
-        "alone: state)",
-    )
-    parser.add_argument(
-        "--no-reference",
-        action="store_true",
-        help="skip the stock-PyTorch reference forward in the main section",
-    )
-    parser.add_argument(
-        "--rep-ms",
-        type=float,
-        default=100.0,
-        metavar="MS",
-        help="milliseconds of repeated calls per measurement, do_bench's rep "
-        "(default 100; at least one call)",
-    )
-    parser.add_argument(
-        "--json",
-        metavar="PATH",
-        help="also write the results as JSON to PATH (rewritten after each "
-        "section), e.g. benchmarks/results/NAME.json",
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="PATH",
-        help="write a PNG of the state section (time per token against state size) to "
-        "PATH, running that section too (needs matplotlib: pip install 'sdm_ops[plot]')",
-    )
-    parser.add_argument(
-        "--from-json",
-        metavar="FILE",
-        help="with --plot: measure nothing, plot the state section of FILE (a --json "
-        "file); needs no GPU",
-    )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,10 +44,12 @@ On one H200 the default sweep (9 numbers of pairs, both models) takes about 7 mi
 half of it at the first number of pairs (1500 steps a model, and the kernels compile); each
 later number of pairs takes about 15 s for the SDM model and 8 s for the dense one.
 
-It prints progress lines while it trains, a table (pairs, sequence length, each model's recall
-and training time) at the end, and writes a PNG plot of recall against pairs (``--plot``;
-matplotlib is the optional extra ``plot``) and, with ``--json``, the results, which
-``benchmarks/table.py`` renders as Markdown and ``--from-json`` plots again.
+It prints progress lines while it trains (each with the model's step and loss, then the whole
+sweep's steps done of its total, time elapsed and time left), a table (pairs, sequence
+length, each model's recall and training time) at the end, and writes a PNG plot of recall
+against pairs (``--plot``; matplotlib is the optional extra ``plot``) and, with ``--json``,
+the results, which ``benchmarks/table.py`` renders as Markdown and ``--from-json`` plots
+again.
 """
 
 from __future__ import annotations
@@ -66,13 +68,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-
-from . import _plot, mqar
-from .nn import SparseDeltaMemory
-from .recurrence import CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES, sparse_delta_memory
+from . import _plot
+from ._cli import add_device_option, positive_float, positive_int, seconds
+from .layout import CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES
 
 PROG = "python -m sdm_ops.capacity"
 MODELS = ("sdm", "dense")
@@ -80,6 +78,347 @@ BACKENDS = ("auto", "fla", "sdm")
 EVAL_SEED = 1234
 PARAM_TOLERANCE = 0.10  # the largest relative difference of the two layers' parameter counts
 
+
+# ---------------------------------------------------------------------------
+# The sweep's configuration
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One sweep: the task at each number of pairs, the two models and their training."""
+
+    pairs: tuple[int, ...] = tuple(2**i for i in range(4, 13))  # 16 .. 4096
+    max_queries: int = 256
+    keys_per_pair: int = 4  # the key vocabulary at P pairs: keys_per_pair * P keys
+    values: int = 256
+    d_model: int = 256
+    heads: int = 4
+    head_dim: int = 64
+    factors: tuple[int, ...] = (256, 256)
+    topk: int = 8
+    layers: int = 2
+    chunk_size: int = 64
+    steps: int = 400
+    first_steps: int | None = 1500  # a new model's steps; None: twice ``steps``
+    batch_tokens: int = 32768
+    max_batch: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 50
+    eval_sequences: int = 256
+    seed: int = 0
+    dense_backend: str = "auto"
+    warm_start: bool = True
+
+    def num_keys(self, pairs: int) -> int:
+        """The key vocabulary at ``pairs`` pairs."""
+        return self.keys_per_pair * pairs
+
+    @property
+    def vocab(self) -> int:
+        """Token ids of the whole sweep: the largest key vocabulary, then the values."""
+        return self.num_keys(max(self.pairs)) + self.values
+
+    @property
+    def new_model_steps(self) -> int:
+        return self.first_steps if self.first_steps is not None else 2 * self.steps
+
+    @property
+    def slots(self) -> int:
+        return math.prod(self.factors)
+
+    def task(self, pairs: int) -> mqar.MQARTask:
+        return mqar.MQARTask(
+            num_keys=self.num_keys(pairs),
+            num_values=self.values,
+            num_pairs=pairs,
+            num_queries=min(pairs, self.max_queries),
+            value_offset=self.num_keys(max(self.pairs)),
+        )
+
+    def batch_size(self, seq_len: int) -> int:
+        """Sequences per step: ``batch_tokens`` tokens, at least 1, at most ``max_batch``."""
+        return max(1, min(self.max_batch, self.batch_tokens // seq_len))
+
+    def check(self) -> None:
+        """ValueError naming the option that cannot run."""
+        if not self.pairs or any(p < 1 for p in self.pairs):
+            raise ValueError(f"pairs must be positive numbers, got {list(self.pairs)}")
+        if self.head_dim % len(self.factors):
+            raise ValueError(
+                f"head_dim ({self.head_dim}) must be a multiple of the number of factors "
+                f"({len(self.factors)}): the SDM layer's key_dim is head_dim / len(factors)"
+            )
+        for name in (
+            "keys_per_pair",
+            "max_queries",
+            "values",
+            "steps",
+            "new_model_steps",
+            "batch_tokens",
+            "max_batch",
+            "layers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.eval_sequences < 1:
+            raise ValueError(f"eval_sequences must be positive, got {self.eval_sequences}")
+
+
+# A few minutes on a CPU, most of them the dense layer's: its full addressing (W = R = 16 on
+# the reference path) costs each step several times the SDM layer's top-4.
+SMALL = Config(
+    pairs=(4, 16),
+    max_queries=32,
+    values=32,
+    d_model=32,
+    heads=2,
+    head_dim=16,
+    factors=(32, 32),
+    topk=4,
+    layers=2,
+    chunk_size=16,
+    steps=100,
+    first_steps=None,
+    batch_tokens=256,
+    max_batch=16,
+    lr=1e-2,
+    warmup=20,
+    eval_sequences=64,
+)
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d, s = Config(), SMALL
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        epilog="Output: a header naming both layers and their parameter counts, progress\n"
+        "lines while each model trains (its step and loss, then the whole sweep's steps\n"
+        "done of its total, time elapsed and time left), a line per trained model, then\n"
+        "the table. Without matplotlib it prints the table and says how to get the\n"
+        f"plot ({_plot.INSTALL_HINT}).\n"
+        f"--small: pairs {' '.join(map(str, s.pairs))}, d_model {s.d_model}, "
+        f"{s.heads} heads of {s.head_dim},\nfactors {' '.join(map(str, s.factors))}, "
+        f"top-{s.topk}, {2 * s.steps} steps new then {s.steps}: SMALL_TIME on 2 CPU cores\n"
+        "(the README says how it was measured), most of it the dense layer's full\n"
+        "addressing on the CPU reference path.\n"
+        "On a GPU, float32 matmuls run in TF32 (torch.set_float32_matmul_precision).",
+    )
+    task = parser.add_argument_group("task")
+    task.add_argument(
+        "--pairs",
+        type=positive_int,
+        nargs="+",
+        metavar="P",
+        help=f"numbers of key-value pairs (default {' '.join(map(str, d.pairs))})",
+    )
+    task.add_argument(
+        "--max-queries",
+        type=positive_int,
+        metavar="N",
+        help=f"queries a sequence at most: min(P, N) keys asked again (default {d.max_queries})",
+    )
+    task.add_argument(
+        "--keys-per-pair",
+        type=positive_int,
+        metavar="N",
+        help=f"key vocabulary at P pairs: N * P keys (default {d.keys_per_pair})",
+    )
+    task.add_argument(
+        "--values", type=positive_int, metavar="N", help=f"value vocabulary (default {d.values})"
+    )
+    model = parser.add_argument_group("models (the same for both where it applies)")
+    model.add_argument(
+        "--d-model", type=positive_int, metavar="N", help=f"model width (default {d.d_model})"
+    )
+    model.add_argument(
+        "--heads", type=positive_int, metavar="N", help=f"memory heads (default {d.heads})"
+    )
+    model.add_argument(
+        "--head-dim",
+        type=int,
+        choices=HEAD_DIMS,
+        metavar="N",
+        help=f"value width of a head, and the dense layer's key width, one of "
+        f"{', '.join(map(str, HEAD_DIMS))} (default {d.head_dim})",
+    )
+    model.add_argument(
+        "--factors",
+        type=positive_int,
+        nargs="+",
+        metavar="F",
+        help=f"the SDM layer's product-key factors: prod(F) slots a head (default "
+        f"{' '.join(map(str, d.factors))}: {d.slots} slots); their mean near d_model keeps "
+        f"the parameter counts equal",
+    )
+    model.add_argument(
+        "--topk",
+        type=positive_int,
+        metavar="K",
+        help=f"slots the SDM layer reads and writes a token (default {d.topk})",
+    )
+    model.add_argument(
+        "--layers", type=positive_int, metavar="N", help=f"blocks per model (default {d.layers})"
+    )
+    model.add_argument(
+        "--chunk-size",
+        type=int,
+        choices=CHUNK_SIZES,
+        metavar="N",
+        help=f"the recurrences' chunk, one of {', '.join(map(str, CHUNK_SIZES))} "
+        f"(default {d.chunk_size})",
+    )
+    model.add_argument(
+        "--dense-backend",
+        choices=BACKENDS,
+        help="the dense layer's recurrence: fla (fla-core's chunk_delta_rule, CUDA), sdm "
+        "(sparse_delta_memory addressing every slot) or auto (fla on a GPU when it "
+        "imports, else sdm; the default)",
+    )
+    train = parser.add_argument_group("training (the same for both models)")
+    train.add_argument(
+        "--steps",
+        type=positive_int,
+        metavar="N",
+        help=f"steps of a model continuing at each next number of pairs (default {d.steps})",
+    )
+    train.add_argument(
+        "--first-steps",
+        type=positive_int,
+        metavar="N",
+        help="steps of a new model: at the first number of pairs, or at every one with "
+        f"--from-scratch (default {d.first_steps}; with --small twice --steps)",
+    )
+    train.add_argument(
+        "--batch-tokens",
+        type=positive_int,
+        metavar="N",
+        help=f"tokens per step: batch = N // T sequences, 1 to --max-batch "
+        f"(default {d.batch_tokens})",
+    )
+    train.add_argument(
+        "--max-batch",
+        type=positive_int,
+        metavar="N",
+        help=f"sequences per step at most (default {d.max_batch})",
+    )
+    train.add_argument(
+        "--lr",
+        type=positive_float,
+        metavar="LR",
+        help=f"AdamW's peak learning rate (default {d.lr:g})",
+    )
+    train.add_argument(
+        "--eval-sequences",
+        type=positive_int,
+        metavar="N",
+        help=f"held-out sequences each model is evaluated on (default {d.eval_sequences})",
+    )
+    train.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the models' initialization and of the training batches (default 0)",
+    )
+    train.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="train a new model at each number of pairs (default: continue from the model "
+        "trained at the previous one)",
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="the small preset for a CPU (see below); options given as well override it",
+    )
+    add_device_option(parser)
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="CPU threads of PyTorch's operators (default: PyTorch's own); 1 helps on a "
+        "busy machine",
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between progress lines of a training run (default 5)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--plot",
+        default="capacity.png",
+        metavar="PATH",
+        help="the PNG of recall against pairs (default capacity.png; needs matplotlib)",
+    )
+    out.add_argument("--no-plot", action="store_true", help="write no plot")
+    out.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH (python benchmarks/table.py PATH "
+        "renders them as a Markdown table)",
+    )
+    out.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="train nothing: print the table of a results file written by --json and "
+        "plot it (to --plot)",
+    )
+    return parser
+
+
+OPTION_FIELDS = (
+    "pairs",
+    "max_queries",
+    "keys_per_pair",
+    "values",
+    "d_model",
+    "heads",
+    "head_dim",
+    "factors",
+    "topk",
+    "layers",
+    "chunk_size",
+    "dense_backend",
+    "steps",
+    "first_steps",
+    "batch_tokens",
+    "max_batch",
+    "lr",
+    "eval_sequences",
+    "seed",
+)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The preset (``--small`` or the default) with the options given."""
+    given = {f: getattr(args, f) for f in OPTION_FIELDS if getattr(args, f) is not None}
+    for f in ("pairs", "factors"):
+        if f in given:
+            given[f] = tuple(given[f])
+    if args.from_scratch:
+        given["warm_start"] = False
+    return dataclasses.replace(SMALL if args.small else Config(), **given)
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and malformed options end here, before torch loads
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import mqar
+from .nn import SparseDeltaMemory
+from .recurrence import sparse_delta_memory
 
 # ---------------------------------------------------------------------------
 # The dense delta rule
@@ -233,109 +572,6 @@ class DenseDeltaRule(nn.Module):
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Config:
-    """One sweep: the task at each number of pairs, the two models and their training."""
-
-    pairs: tuple[int, ...] = tuple(2**i for i in range(4, 13))  # 16 .. 4096
-    max_queries: int = 256
-    keys_per_pair: int = 4  # the key vocabulary at P pairs: keys_per_pair * P keys
-    values: int = 256
-    d_model: int = 256
-    heads: int = 4
-    head_dim: int = 64
-    factors: tuple[int, ...] = (256, 256)
-    topk: int = 8
-    layers: int = 2
-    chunk_size: int = 64
-    steps: int = 400
-    first_steps: int | None = 1500  # a new model's steps; None: twice ``steps``
-    batch_tokens: int = 32768
-    max_batch: int = 256
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    warmup: int = 50
-    eval_sequences: int = 256
-    seed: int = 0
-    dense_backend: str = "auto"
-    warm_start: bool = True
-
-    def num_keys(self, pairs: int) -> int:
-        """The key vocabulary at ``pairs`` pairs."""
-        return self.keys_per_pair * pairs
-
-    @property
-    def vocab(self) -> int:
-        """Token ids of the whole sweep: the largest key vocabulary, then the values."""
-        return self.num_keys(max(self.pairs)) + self.values
-
-    @property
-    def new_model_steps(self) -> int:
-        return self.first_steps if self.first_steps is not None else 2 * self.steps
-
-    @property
-    def slots(self) -> int:
-        return math.prod(self.factors)
-
-    def task(self, pairs: int) -> mqar.MQARTask:
-        return mqar.MQARTask(
-            num_keys=self.num_keys(pairs),
-            num_values=self.values,
-            num_pairs=pairs,
-            num_queries=min(pairs, self.max_queries),
-            value_offset=self.num_keys(max(self.pairs)),
-        )
-
-    def batch_size(self, seq_len: int) -> int:
-        """Sequences per step: ``batch_tokens`` tokens, at least 1, at most ``max_batch``."""
-        return max(1, min(self.max_batch, self.batch_tokens // seq_len))
-
-    def check(self) -> None:
-        """ValueError naming the option that cannot run."""
-        if not self.pairs or any(p < 1 for p in self.pairs):
-            raise ValueError(f"pairs must be positive numbers, got {list(self.pairs)}")
-        if self.head_dim % len(self.factors):
-            raise ValueError(
-                f"head_dim ({self.head_dim}) must be a multiple of the number of factors "
-                f"({len(self.factors)}): the SDM layer's key_dim is head_dim / len(factors)"
-            )
-        for name in (
-            "keys_per_pair",
-            "max_queries",
-            "values",
-            "steps",
-            "new_model_steps",
-            "batch_tokens",
-            "max_batch",
-            "layers",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.eval_sequences < 1:
-            raise ValueError(f"eval_sequences must be positive, got {self.eval_sequences}")
-
-
-SMALL = Config(
-    pairs=(4, 16, 64),
-    max_queries=32,
-    values=32,
-    d_model=32,
-    heads=2,
-    head_dim=16,
-    factors=(32, 32),
-    topk=4,
-    layers=2,
-    chunk_size=16,
-    steps=250,
-    first_steps=None,
-    batch_tokens=512,
-    max_batch=32,
-    lr=1e-2,
-    warmup=20,
-    eval_sequences=64,
-)
-
-
 def memory_layer(kind: str, cfg: Config) -> nn.Module:
     """The memory layer of model ``kind`` ("sdm" or "dense")."""
     if kind == "sdm":
@@ -476,13 +712,14 @@ def train_point(
     model: RecallModel | None = None,
     log: Callable[[str], None] = print,
     log_interval: float = 5.0,
+    status: Callable[[int], str] | None = None,
 ) -> Trained:
     """Train model ``kind`` on ``pairs`` pairs (AdamW, linear warmup, cosine decay; batches
     drawn from ``cfg.seed`` and ``pairs``, the same for both models) and evaluate it on
     :func:`eval_batch`. ``model`` continues training a model of this kind (updated in place)
     for ``cfg.steps`` steps; without it, a new one (:func:`build_model`) trains
     ``cfg.new_model_steps``. Progress lines go to ``log``, each prefixed with the model and
-    the pairs."""
+    the pairs, and end with ``status(step)`` where given (see :class:`mqar.Progress`)."""
     device = torch.device(device)
     task = cfg.task(pairs)
     B, Q = cfg.batch_size(task.seq_len), task.num_queries
@@ -501,7 +738,9 @@ def train_point(
     )
     g = torch.Generator().manual_seed(cfg.seed * 65537 + pairs)
     prefix = f"  {kind} {pairs} pairs: "
-    progress = mqar.Progress(steps, interval=log_interval, log=lambda s: log(prefix + s))
+    progress = mqar.Progress(
+        steps, interval=log_interval, log=lambda s: log(prefix + s), status=status
+    )
     _sync(device)
     progress.begin()
     loss_value = float("nan")
@@ -522,6 +761,48 @@ def train_point(
     tokens, labels = eval_batch(task, cfg.eval_sequences)
     acc = recall(model, tokens, labels, B, device)
     return Trained(kind, pairs, task.seq_len, B, Q, steps, acc, train_s, loss_value, model)
+
+
+class SweepProgress:
+    """The whole sweep's progress, for the lines of each run (:meth:`status`): the steps done
+    of the sweep's total, the time elapsed and an estimate of the time left, each model's steps
+    left at its mean time a step so far (evaluations included; a model that has not run yet
+    at the mean of the steps so far). :meth:`begin` and :meth:`end` bracket each run."""
+
+    def __init__(
+        self, runs: Sequence[tuple[str, int]], clock: Callable[[], float] = time.perf_counter
+    ):
+        self.clock = clock
+        self.todo: dict[str, int] = {}  # the sweep's steps of each model
+        for kind, steps in runs:
+            self.todo[kind] = self.todo.get(kind, 0) + steps
+        self.total = sum(self.todo.values())
+        self.done = dict.fromkeys(self.todo, 0)
+        self.spent = dict.fromkeys(self.todo, 0.0)
+        self.kind = runs[0][0] if runs else ""
+        self.start = self.run_start = clock()
+
+    def begin(self, kind: str) -> None:
+        self.kind, self.run_start = kind, self.clock()
+
+    def end(self, steps: int) -> None:
+        self.done[self.kind] += steps
+        self.spent[self.kind] += self.clock() - self.run_start
+
+    def status(self, step: int) -> str:
+        """``sweep D/N steps  elapsed E s  about L s left``, ``step`` steps into the run."""
+        now = self.clock()
+        done, spent = dict(self.done), dict(self.spent)
+        done[self.kind] += step
+        spent[self.kind] += now - self.run_start
+        mean = sum(spent.values()) / max(sum(done.values()), 1)
+        left = sum(
+            (self.todo[k] - done[k]) * (spent[k] / done[k] if done[k] else mean) for k in self.todo
+        )
+        return (
+            f"sweep {sum(done.values())}/{self.total} steps  elapsed {now - self.start:.0f} s  "
+            f"about {left:.0f} s left"
+        )
 
 
 def _device_name(device: torch.device) -> str:
@@ -578,22 +859,33 @@ def sweep(
     last: dict[str, Trained] = {}
     start = time.perf_counter()
     runs = [(p, kind) for p in cfg.pairs for kind in MODELS]
+    steps = [
+        cfg.new_model_steps if i < len(MODELS) or not cfg.warm_start else cfg.steps
+        for i in range(len(runs))
+    ]
+    progress = SweepProgress([(kind, n) for (_, kind), n in zip(runs, steps)])
     for i, (pairs, kind) in enumerate(runs, 1):
         task = cfg.task(pairs)
         previous = last.get(kind) if cfg.warm_start else None
-        if previous is None:
-            origin, steps = "new", cfg.new_model_steps
-        else:
-            origin, steps = f"from {previous.pairs} pairs", cfg.steps
+        origin = "new" if previous is None else f"from {previous.pairs} pairs"
         log(
-            f"[{i}/{len(runs)}] {kind} at {pairs} pairs ({origin}, {steps} steps): "
+            f"[{i}/{len(runs)}] {kind} at {pairs} pairs ({origin}, {steps[i - 1]} steps): "
             f"T = {task.seq_len}, batch {cfg.batch_size(task.seq_len)} "
             f"({time.perf_counter() - start:.0f} s so far)"
         )
         start_from = None if previous is None else copy.deepcopy(previous.model)
+        progress.begin(kind)
         t = train_point(
-            kind, pairs, cfg, device, model=start_from, log=log, log_interval=log_interval
+            kind,
+            pairs,
+            cfg,
+            device,
+            model=start_from,
+            log=log,
+            log_interval=log_interval,
+            status=progress.status,
         )
+        progress.end(t.steps)
         last[kind] = t
         log(f"  {kind} {pairs} pairs: recall {t.recall:.4f}, trained in {t.train_s:.1f} s")
         trained.append(t)
@@ -710,239 +1002,8 @@ def plot_recall(results: dict, path: str) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Command line
+# Outputs and main
 # ---------------------------------------------------------------------------
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    d, s = Config(), SMALL
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-        epilog="Output: a header naming both layers and their parameter counts, progress\n"
-        "lines while each model trains (its step, loss, time elapsed and time left),\n"
-        "a line per trained model, then the table. Without matplotlib it prints the\n"
-        f"table and says how to get the plot ({_plot.INSTALL_HINT}).\n"
-        f"--small: pairs {' '.join(map(str, s.pairs))}, d_model {s.d_model}, "
-        f"{s.heads} heads of {s.head_dim},\nfactors {' '.join(map(str, s.factors))}, "
-        f"top-{s.topk}, {s.steps} steps: about a quarter of an hour on one busy CPU\n"
-        "core, most of it the dense layer's full addressing on the CPU reference path.\n"
-        "On a GPU, float32 matmuls run in TF32 (torch.set_float32_matmul_precision).",
-    )
-    task = parser.add_argument_group("task")
-    task.add_argument(
-        "--pairs",
-        type=_positive,
-        nargs="+",
-        metavar="P",
-        help=f"numbers of key-value pairs (default {' '.join(map(str, d.pairs))})",
-    )
-    task.add_argument(
-        "--max-queries",
-        type=_positive,
-        metavar="N",
-        help=f"queries a sequence at most: min(P, N) keys asked again (default {d.max_queries})",
-    )
-    task.add_argument(
-        "--keys-per-pair",
-        type=_positive,
-        metavar="N",
-        help=f"key vocabulary at P pairs: N * P keys (default {d.keys_per_pair})",
-    )
-    task.add_argument(
-        "--values", type=_positive, metavar="N", help=f"value vocabulary (default {d.values})"
-    )
-    model = parser.add_argument_group("models (the same for both where it applies)")
-    model.add_argument(
-        "--d-model", type=_positive, metavar="N", help=f"model width (default {d.d_model})"
-    )
-    model.add_argument(
-        "--heads", type=_positive, metavar="N", help=f"memory heads (default {d.heads})"
-    )
-    model.add_argument(
-        "--head-dim",
-        type=int,
-        choices=HEAD_DIMS,
-        metavar="N",
-        help=f"value width of a head, and the dense layer's key width, one of "
-        f"{', '.join(map(str, HEAD_DIMS))} (default {d.head_dim})",
-    )
-    model.add_argument(
-        "--factors",
-        type=_positive,
-        nargs="+",
-        metavar="F",
-        help=f"the SDM layer's product-key factors: prod(F) slots a head (default "
-        f"{' '.join(map(str, d.factors))}: {d.slots} slots); their mean near d_model keeps "
-        f"the parameter counts equal",
-    )
-    model.add_argument(
-        "--topk",
-        type=_positive,
-        metavar="K",
-        help=f"slots the SDM layer reads and writes a token (default {d.topk})",
-    )
-    model.add_argument(
-        "--layers", type=_positive, metavar="N", help=f"blocks per model (default {d.layers})"
-    )
-    model.add_argument(
-        "--chunk-size",
-        type=int,
-        choices=CHUNK_SIZES,
-        metavar="N",
-        help=f"the recurrences' chunk, one of {', '.join(map(str, CHUNK_SIZES))} "
-        f"(default {d.chunk_size})",
-    )
-    model.add_argument(
-        "--dense-backend",
-        choices=BACKENDS,
-        help="the dense layer's recurrence: fla (fla-core's chunk_delta_rule, CUDA), sdm "
-        "(sparse_delta_memory addressing every slot) or auto (fla on a GPU when it "
-        "imports, else sdm; the default)",
-    )
-    train = parser.add_argument_group("training (the same for both models)")
-    train.add_argument(
-        "--steps",
-        type=_positive,
-        metavar="N",
-        help=f"steps of a model continuing at each next number of pairs (default {d.steps})",
-    )
-    train.add_argument(
-        "--first-steps",
-        type=_positive,
-        metavar="N",
-        help="steps of a new model: at the first number of pairs, or at every one with "
-        f"--from-scratch (default {d.first_steps}; with --small twice --steps)",
-    )
-    train.add_argument(
-        "--batch-tokens",
-        type=_positive,
-        metavar="N",
-        help=f"tokens per step: batch = N // T sequences, 1 to --max-batch "
-        f"(default {d.batch_tokens})",
-    )
-    train.add_argument(
-        "--max-batch",
-        type=_positive,
-        metavar="N",
-        help=f"sequences per step at most (default {d.max_batch})",
-    )
-    train.add_argument(
-        "--lr",
-        type=_positive_float,
-        metavar="LR",
-        help=f"AdamW's peak learning rate (default {d.lr:g})",
-    )
-    train.add_argument(
-        "--eval-sequences",
-        type=_positive,
-        metavar="N",
-        help=f"held-out sequences each model is evaluated on (default {d.eval_sequences})",
-    )
-    train.add_argument(
-        "--seed",
-        type=int,
-        help="seed of the models' initialization and of the training batches (default 0)",
-    )
-    train.add_argument(
-        "--from-scratch",
-        action="store_true",
-        help="train a new model at each number of pairs (default: continue from the model "
-        "trained at the previous one)",
-    )
-    parser.add_argument(
-        "--small",
-        action="store_true",
-        help="the small preset for a CPU (see below); options given as well override it",
-    )
-    parser.add_argument(
-        "--device",
-        default=mqar.default_device(),
-        help="device to run on (default: cuda if available, else cpu)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=_positive,
-        help="CPU threads of PyTorch's operators (default: PyTorch's own); 1 helps on a "
-        "busy machine",
-    )
-    parser.add_argument(
-        "--log-interval",
-        type=mqar._seconds,
-        default=5.0,
-        metavar="SECONDS",
-        help="seconds between progress lines of a training run (default 5)",
-    )
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--plot",
-        default="capacity.png",
-        metavar="PATH",
-        help="the PNG of recall against pairs (default capacity.png; needs matplotlib)",
-    )
-    out.add_argument("--no-plot", action="store_true", help="write no plot")
-    out.add_argument(
-        "--json",
-        metavar="PATH",
-        help="also write the results as JSON to PATH (python benchmarks/table.py PATH "
-        "renders them as a Markdown table)",
-    )
-    out.add_argument(
-        "--from-json",
-        metavar="PATH",
-        help="train nothing: print the table of a results file written by --json and "
-        "plot it (to --plot)",
-    )
-    return parser
-
-
-OPTION_FIELDS = (
-    "pairs",
-    "max_queries",
-    "keys_per_pair",
-    "values",
-    "d_model",
-    "heads",
-    "head_dim",
-    "factors",
-    "topk",
-    "layers",
-    "chunk_size",
-    "dense_backend",
-    "steps",
-    "first_steps",
-    "batch_tokens",
-    "max_batch",
-    "lr",
-    "eval_sequences",
-    "seed",
-)
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The preset (``--small`` or the default) with the options given."""
-    given = {f: getattr(args, f) for f in OPTION_FIELDS if getattr(args, f) is not None}
-    for f in ("pairs", "factors"):
-        if f in given:
-            given[f] = tuple(given[f])
-    if args.from_scratch:
-        given["warm_start"] = False
-    return dataclasses.replace(SMALL if args.small else Config(), **given)
 
 
 def write_outputs(results: dict, args: argparse.Namespace, log=print) -> None:
@@ -976,6 +1037,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_outputs(json.load(f), args)
         return 0
     cfg = config_from_args(args)
+    args.device = args.device or mqar.default_device()
     try:
         cfg.check()
         check_parameter_counts(cfg)

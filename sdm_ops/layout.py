@@ -2,18 +2,23 @@
 
 ``Prepared`` is the ``sdm_internal::chunk_prepare`` operator's output contract and
 ``ChunkWeights`` the per-chunk form the reference builds it from; the snapshot constants fix
-the storage of the chunk-start bank rows that the forward keeps for the backward.
+the storage of the chunk-start bank rows that the forward keeps for the backward. The module
+imports no torch, so that the commands' argument parsers can name the supported sizes.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
+    "CHUNK_SIZES",
     "FP8_MAX",
+    "HEAD_DIMS",
     "INT4_MAX",
+    "MAX_ENTRIES",
     "QUANT_GROUP",
     "SKIP_SNAPSHOT",
     "SNAPSHOT_MODES",
@@ -21,6 +26,9 @@ __all__ = [
     "Prepared",
 ]
 
+CHUNK_SIZES = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # D, a bank row's width
+MAX_ENTRIES = 64  # W and R, the write and read entries of a token
 SNAPSHOT_MODES = ("none", "bf16", "fp8", "int4")
 # The internal phase 2's mode for a forward that nothing differentiates: no snapshot at all.
 SKIP_SNAPSHOT = "skip"

@@ -30,12 +30,8 @@ from ._checks import (
     data_checks_enabled,
     data_checks_wanted,
 )
-from .layout import SNAPSHOT_MODES
+from .layout import CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES, SNAPSHOT_MODES
 from .ops import eager
-
-CHUNK_SIZES = (16, 32, 64, 128)
-HEAD_DIMS = (16, 32, 64, 128, 256)
-MAX_ENTRIES = 64
 
 
 class SDMOutput(NamedTuple):

@@ -34,13 +34,36 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+
+from ._cli import add_device_option, positive_int
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sdm_ops.serve",
+        description="Export a small model built on SparseDeltaMemory (prompt and decode step), "
+        "compile both programs with AOTInductor into OUT/prompt.pt2 and OUT/decode.pt2, load "
+        "them and check a prompt and decode steps against the eager model (exit status 0 when "
+        "they agree).",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory for the packages")
+    add_device_option(parser)
+    parser.add_argument(
+        "--steps", type=positive_int, default=16, help="decode steps to check (default 16)"
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and malformed options end here, before torch loads
 
 import torch
 from torch import Tensor, nn
 
-from .mqar import _positive_int, default_device
+from .mqar import default_device
 from .nn import SparseDeltaMemory
 
 MEMORY = dict(heads=2, head_dim=32, factors=(16, 16), read_topk=4, write_topk=4, chunk_size=16)
@@ -157,26 +180,20 @@ def export_decode(
 
 def _package(program: torch.export.ExportedProgram, path: Path) -> str:
     t0 = time.perf_counter()
-    out = torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    with warnings.catch_warnings():
+        # Packaging copies the program's tree specs, and torch 2.13's deprecated LeafSpec
+        # warns whenever one is made: PyTorch's own use, nothing a caller can change.
+        warnings.filterwarnings(
+            "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning
+        )
+        out = torch._inductor.aoti_compile_and_package(program, package_path=str(path))
     print(f"  {path} ({time.perf_counter() - t0:.0f} s)")
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sdm_ops.serve",
-        description="Export a small model built on SparseDeltaMemory (prompt and decode step), "
-        "compile both programs with AOTInductor into OUT/prompt.pt2 and OUT/decode.pt2, load "
-        "them and check a prompt and decode steps against the eager model (exit status 0 when "
-        "they agree).",
-    )
-    parser.add_argument("--out", type=Path, required=True, help="directory for the packages")
-    parser.add_argument("--device", default=default_device(), help="default: cuda if available")
-    parser.add_argument(
-        "--steps", type=_positive_int, default=16, help="decode steps to check (default 16)"
-    )
-    args = parser.parse_args(argv)
-    dev = torch.device(args.device)
+    args = build_parser().parse_args(argv)
+    dev = torch.device(args.device or default_device())
     torch.manual_seed(0)
     model = TinyLM().to(dev).eval()
     g = torch.Generator().manual_seed(1)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -169,6 +170,27 @@ def test_parameter_counts_far_apart_are_refused():
         dataclasses.replace(TINY, keys_per_pair=0).check()
     with pytest.raises(ValueError, match="head_dim"):
         dataclasses.replace(TINY, factors=(4, 4, 4)).check()  # 16 is no multiple of 3
+
+
+class FakeClock:
+    def __init__(self, times):
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
+def test_sweep_progress_counts_the_whole_sweep_and_prices_each_model_apart():
+    """Two models, 10 steps each new, then 5 more each: 30 steps. The sdm model's steps take
+    1 s; before the dense model has run its steps are priced at the sweep's mean so far, then
+    at its own 3 s."""
+    clock = FakeClock([0.0, 0.0, 5.0, 10.0, 10.0, 16.0])
+    p = capacity.SweepProgress([("sdm", 10), ("dense", 10), ("sdm", 5), ("dense", 5)], clock)
+    p.begin("sdm")
+    assert p.status(5) == "sweep 5/30 steps  elapsed 5 s  about 25 s left"
+    p.end(10)
+    p.begin("dense")
+    assert p.status(2) == "sweep 12/30 steps  elapsed 16 s  about 44 s left"
 
 
 @contextlib.contextmanager
@@ -382,8 +404,10 @@ def test_the_command_trains_and_writes_its_files(tmp_path):
         "--no-plot",
     )
     assert done.returncode == 0, done.stderr
-    # A new model trains twice --steps.
+    # A new model trains twice --steps; each progress line states the whole sweep's progress.
     assert "  sdm 3 pairs: step 4/4" in done.stdout and "  dense 3 pairs: step 4/4" in done.stdout
+    last = [line for line in done.stdout.splitlines() if "dense 3 pairs: step 4/4" in line][0]
+    assert re.search(r"  sweep 8/8 steps  elapsed \d+ s  about 0 s left$", last), last
     points = json.loads((tmp_path / "c.json").read_text())["points"]
     assert [(p["model"], p["pairs"], p["seq_len"]) for p in points] == [
         ("sdm", 3, 9),

@@ -1,9 +1,11 @@
 """The README's and the public docstrings' examples, run as written.
 
-Each README example is the README's own text, found by the heading it sits under, and runs on
-its own in a fresh namespace, as a reader would paste it. The tests then check what each
-example claims of its results, so that an example the package no longer runs, or whose comments
-no longer describe what it returns, fails here. The README's benchmark table must be the one
+Each README example is the README's own text, found by the heading it sits under, and runs as
+pasted into a fresh interpreter: a subprocess with nothing imported, so that an example that
+forgets an import fails here. In that same process a check of this module then tests what the
+example claims of its results, so that an example the package no longer runs, or whose
+comments no longer describe what it returns, fails here. An example whose first line says it
+needs a CUDA GPU is skipped without one. The README's benchmark table must be the one
 ``benchmarks/table.py`` renders from the committed results. The docstrings' examples run as
 doctests: each states the shapes it returns.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import doctest
 import functools
 import importlib
+import os
 import pathlib
 import pkgutil
 import subprocess
@@ -26,6 +29,7 @@ from tests.helpers import requires_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+NEEDS_CUDA = "# Needs a CUDA GPU"  # how a README example that needs one begins
 
 
 @functools.cache
@@ -47,29 +51,28 @@ def readme_examples() -> dict[str, list[str]]:
     return examples
 
 
-def run_example(section: str) -> dict:
-    """The one Python block under ``section``, run alone; returns its namespace."""
+def run_example(section: str, check, cwd: pathlib.Path = ROOT) -> None:
+    """The one Python block under ``section``, run alone in a fresh interpreter (in ``cwd``),
+    then ``check(namespace)`` in that process on the names the block made."""
     blocks = readme_examples().get(section)
     assert blocks and len(blocks) == 1, f"README must have one Python example under {section!r}"
-    namespace: dict = {}
-    exec(compile(blocks[0], f"README.md ({section})", "exec"), namespace)
-    return namespace
+    program = (
+        "namespace = {'__name__': '__main__'}\n"
+        f"exec(compile({blocks[0]!r}, {f'README.md ({section})'!r}, 'exec'), namespace)\n"
+        f"from tests.test_examples import {check.__name__}\n"
+        f"{check.__name__}(namespace)\n"
+    )
+    # As a reader runs it: the repository importable for the check alone, and without the
+    # Triton interpreter that conftest.py sets for the kernel tests.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=cwd, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, f"README's {section!r} example failed:\n{done.stderr[-4000:]}"
 
 
-def test_every_readme_example_is_tested():
-    tested = {
-        "Train a compiled model",
-        "Call the operators",
-        "Decode under a CUDA graph",
-        "Packed variable-length batches",
-        "Run opcheck",
-        "Serve with torch.export / AOTInductor",
-    }
-    assert set(readme_examples()) == tested
-
-
-def test_readme_train_example_compiles_and_gives_every_parameter_a_gradient():
-    ns = run_example("Train a compiled model")
+def check_train(ns: dict) -> None:
     layer = ns["layer"]
     assert ns["loss"].requires_grad
     grads = {n: p.grad for n, p in layer.named_parameters()}
@@ -78,8 +81,7 @@ def test_readme_train_example_compiles_and_gives_every_parameter_a_gradient():
     assert ns["y"].shape == (2, 128, 256) and ns["state"].shape == (2, 4, 4096, 64)
 
 
-def test_readme_operators_example_returns_what_its_comments_say():
-    ns = run_example("Call the operators")
+def check_operators(ns: dict) -> None:
     B, T, H, D, S = (ns[n] for n in ("B", "T", "H", "D", "S"))
     assert ns["out"].shape == (B, T, H, D)
     assert ns["new_bank"].shape == (B, H, S, D)
@@ -91,8 +93,19 @@ def test_readme_operators_example_returns_what_its_comments_say():
     assert ((lin >= 0) & (lin < 256 * 256)).all()
 
 
-def test_readme_packed_example_runs_each_sequence_from_the_shared_bank():
-    ns = run_example("Packed variable-length batches")
+def check_decode_graph(ns: dict) -> None:
+    """The replayed decode equals eager decoding, token by token."""
+    T, tokens = ns["T"], ns["tokens"]
+    eager = torch.zeros_like(ns["state"])
+    for t in range(T):
+        last = sdm_ops.sparse_delta_memory_(*(x[:, t : t + 1] for x in tokens), eager)
+    torch.cuda.synchronize()
+    assert torch.equal(ns["state"], eager), "the replayed decode's bank differs from eager"
+    assert torch.equal(ns["out_t"], last), "the last replay's output differs from eager"
+
+
+def check_packed(ns: dict) -> None:
+    """Each sequence runs from the shared bank as if alone."""
     banks, bank = ns["banks"], ns["bank"]
     assert ns["out"].shape == (1, 400, 4, 64) and banks.shape == (3, 4, 4096, 64)
     assert torch.equal(banks[1], bank), "the empty sequence's bank changed"
@@ -106,30 +119,53 @@ def test_readme_packed_example_runs_each_sequence_from_the_shared_bank():
     torch.testing.assert_close(ns["out"][:, 120:], alone.out)
 
 
-def test_readme_serve_example_decodes_from_the_packages(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the example writes its packages to the working directory
-    ns = run_example("Serve with torch.export / AOTInductor")
+def check_serve(ns: dict) -> None:
+    """The packages decode (the example writes them to the working directory)."""
     assert ns["logits"].shape == (4, 1, 256)
     assert [tuple(s.shape) for s in ns["states"]] == [(4, 2, 256, 32)] * 2
-    assert (tmp_path / "prompt.pt2").exists() and (tmp_path / "decode.pt2").exists()
+    assert pathlib.Path("prompt.pt2").exists() and pathlib.Path("decode.pt2").exists()
 
 
-def test_readme_opcheck_example_passes():
-    # opcheck raises where an operator fails one of its checks.
-    ns = run_example("Run opcheck")
+def check_opcheck(ns: dict) -> None:
+    """opcheck raises where an operator fails one of its checks: running is passing."""
     assert ns["args"][0].requires_grad
 
 
-@requires_cuda
-def test_cuda_readme_decode_graph_example_matches_eager_decoding():
-    ns = run_example("Decode under a CUDA graph")
-    T, tokens = ns["T"], ns["tokens"]
-    eager = torch.zeros_like(ns["state"])
-    for t in range(T):
-        last = sdm_ops.sparse_delta_memory_(*(x[:, t : t + 1] for x in tokens), eager)
-    torch.cuda.synchronize()
-    assert torch.equal(ns["state"], eager), "the replayed decode's bank differs from eager"
-    assert torch.equal(ns["out_t"], last), "the last replay's output differs from eager"
+CHECKS = {
+    "Train a compiled model": check_train,
+    "Call the operators": check_operators,
+    "Decode under a CUDA graph": check_decode_graph,
+    "Packed variable-length batches": check_packed,
+    "Serve with torch.export / AOTInductor": check_serve,
+    "Run opcheck": check_opcheck,
+}
+
+
+def test_every_readme_example_is_tested():
+    assert set(readme_examples()) == set(CHECKS)
+
+
+def _needs_cuda(section: str) -> bool:
+    return any(block.startswith(NEEDS_CUDA) for block in readme_examples().get(section, []))
+
+
+@pytest.mark.parametrize(
+    "section",
+    [pytest.param(s, marks=requires_cuda) if _needs_cuda(s) else s for s in CHECKS],
+)
+def test_readme_example_runs_as_pasted_and_returns_what_it_says(section, tmp_path):
+    run_example(section, CHECKS[section], cwd=tmp_path)
+
+
+def test_readme_gpu_examples_say_so_in_their_first_line():
+    """An example that names the cuda device without falling back to the CPU needs a GPU and
+    says so first; every other example runs on the CPU."""
+    for section, (block,) in readme_examples().items():
+        falls_back = "if torch.cuda.is_available() else" in block
+        if '"cuda"' in block and not falls_back:
+            assert block.startswith(NEEDS_CUDA), section
+        else:
+            assert not block.startswith(NEEDS_CUDA), section
 
 
 def test_readme_benchmark_table_is_rendered_from_the_committed_results():

@@ -11,6 +11,7 @@ is any, 0 otherwise.
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -50,9 +51,15 @@ def tracked_files(root: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python tools/check_history.py", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "files", nargs="*", metavar="FILE", help="files to scan (default: the tracked files)"
+    )
+    args = parser.parse_args(argv)
     root = Path(__file__).resolve().parents[1]
-    files = [Path(a) for a in argv] if argv else tracked_files(root)
+    files = [Path(a) for a in args.files] if args.files else tracked_files(root)
     me = Path(__file__).resolve()
     found = 0
     for path in files:

@@ -13,6 +13,7 @@ differently: ``pip install --target DIR triton==3.6.0`` and ``--triton DIR`` com
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -20,7 +21,32 @@ import subprocess
 import sys
 import tempfile
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="PYTHONPATH=. python tools/ptxas_report.py", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "chunk_size",
+        nargs="?",
+        type=int,
+        default=64,
+        metavar="CHUNK_SIZE",
+        help="the recurrence's chunk (default 64, the reference workload's)",
+    )
+    parser.add_argument(
+        "--triton",
+        metavar="DIR",
+        help="compile with the Triton installed in DIR (pip install --target DIR triton==X), "
+        "and its ptxas: the GPU's own compiler where it differs from this one",
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and malformed options end here, before torch loads
+
+import torch  # noqa: E402
 
 import sdm_ops
 from sdm_ops import bench
@@ -167,19 +193,7 @@ def registers(launches: list, triton_dir: str | None = None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python tools/ptxas_report.py", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("chunk_size", nargs="?", type=int, default=64)
-    parser.add_argument(
-        "--triton",
-        metavar="DIR",
-        help="compile with the Triton installed in DIR (pip install --target DIR triton==X), "
-        "and its ptxas: the GPU's own compiler where it differs from this one",
-    )
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("run without TRITON_INTERPRET: the kernels are compiled, not interpreted")
     rows = registers(_launches(args.chunk_size), args.triton)

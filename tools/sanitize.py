@@ -50,6 +50,28 @@ import warnings
 from collections.abc import Callable, Iterator
 from unittest import mock
 
+PARTS = ("eager", "compiled", "graphs", "ops")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python tools/sanitize.py", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default), or cpu: the kernels under Triton's interpreter",
+    )
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated, of {', '.join(PARTS)} (default: all)",
+    )
+    return p
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help and malformed options end here, before torch loads
+
 import torch
 from torch import Tensor
 
@@ -64,7 +86,6 @@ CHUNK = 16
 SNAPSHOTS = ("none", "bf16", "fp8", "int4")
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 SEQUENCE = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "decay")
-PARTS = ("eager", "compiled", "graphs", "ops")
 CU_SEQLENS = (0, 7, 7, 23, 40)  # packed cases: 4 sequences of 7, 0, 16 and 17 tokens
 BAD_FRACTION = 1 / 3
 
@@ -676,18 +697,7 @@ def run_parts(parts: list[str], device: torch.device) -> Cases:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python tools/sanitize.py", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="cuda (default), or cpu: the kernels under Triton's interpreter",
-    )
-    p.add_argument(
-        "--parts",
-        default=",".join(PARTS),
-        help=f"comma-separated, of {', '.join(PARTS)} (default: all)",
-    )
+    p = build_parser()
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(parts) - set(PARTS))
