@@ -1,14 +1,15 @@
 """Two revisions of sdm_ops timed side by side on one GPU:
 ``python benchmarks/ab.py --base REV [--head REV] [--rounds N] [bench options]``.
 
-Each revision's ``sdm_ops`` is exported with ``git archive REV sdm_ops`` into a temporary
+Each revision's ``sdm_ops`` (and ``benchmarks``) is exported with ``git archive`` into a temporary
 folder (the head is the working tree unless ``--head`` names a revision), and
-``python -m sdm_ops.bench`` runs against each in a fresh process whose ``PYTHONPATH`` and
+``python -m benchmarks.bench`` runs against each in a fresh process whose ``PYTHONPATH`` and
 working directory are that copy. Rounds interleave the two (base then head, then head then
 base, ...) so that a drift of the GPU's clocks or temperature falls on both. Every option this
 script does not know goes to the bench (``--only main``, ``--T 16384``, ...). Both sides run
-the head's bench (``sdm_ops/bench.py`` and ``sdm_ops/_timing.py`` copied over the base's), so
-that only the library differs; ``--own-bench`` keeps each revision's own.
+the head's bench (its ``benchmarks/`` harness copied over the base's), so that only the
+library differs; ``--own-bench`` keeps each revision's own (``python -m sdm_ops.bench`` for a
+revision older than ``benchmarks/bench.py``).
 
 Printed: per section, every timing (a column in ms or us, floors aside) of every case, the
 median over the rounds of each side, and head / base (below 1: the head is faster).
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 
-HARNESS = ("bench.py", "_timing.py")
+HARNESS = ("__init__.py", "bench.py", "_timing.py", "_plot.py")  # in benchmarks/
 
 
 def is_timing(key: str) -> bool:
@@ -91,11 +92,16 @@ def git(root: str, *args: str) -> str:
 
 
 def export(root: str, rev: str, dest: str) -> None:
-    """``git archive REV sdm_ops | tar -x -C dest``."""
+    """``git archive REV sdm_ops [benchmarks] | tar -x -C dest`` (``benchmarks`` where REV has
+    its bench there)."""
     os.makedirs(dest)
-    archive = subprocess.Popen(
-        ["git", "-C", root, "archive", rev, "sdm_ops"], stdout=subprocess.PIPE
+    paths = ["sdm_ops"]
+    has_bench = subprocess.run(
+        ["git", "-C", root, "cat-file", "-e", f"{rev}:benchmarks/bench.py"], capture_output=True
     )
+    if has_bench.returncode == 0:
+        paths.append("benchmarks")
+    archive = subprocess.Popen(["git", "-C", root, "archive", rev, *paths], stdout=subprocess.PIPE)
     subprocess.run(["tar", "-x", "-C", dest], stdin=archive.stdout, check=True)
     archive.stdout.close()
     if archive.wait():
@@ -105,7 +111,9 @@ def export(root: str, rev: str, dest: str) -> None:
 def run_bench(copy: str, bench_args: list[str], out: str, log: str) -> dict:
     """One bench run against the package in ``copy``: its results (``--json out``). The
     process runs from ``copy`` (``python -m`` puts the working directory first on sys.path)."""
-    cmd = [sys.executable, "-m", "sdm_ops.bench", *bench_args, "--json", out]
+    new = os.path.exists(os.path.join(copy, "benchmarks", "bench.py"))
+    module = "benchmarks.bench" if new else "sdm_ops.bench"
+    cmd = [sys.executable, "-m", module, *bench_args, "--json", out]
     with open(log, "w") as f:
         done = subprocess.run(
             cmd, check=False, cwd=copy, env=dict(os.environ, PYTHONPATH=copy), stdout=f
@@ -179,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             copies["head"] = os.path.join(work, "head")
             export(root, args.head, copies["head"])
         if not args.own_bench:
+            os.makedirs(os.path.join(copies["base"], "benchmarks"), exist_ok=True)
             for name in HARNESS:
                 shutil.copy(
-                    os.path.join(copies["head"], "sdm_ops", name),
-                    os.path.join(copies["base"], "sdm_ops", name),
+                    os.path.join(copies["head"], "benchmarks", name),
+                    os.path.join(copies["base"], "benchmarks", name),
                 )
         runs: dict[str, list[dict]] = {"base": [], "head": []}
         start = time.perf_counter()

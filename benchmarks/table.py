@@ -1,4 +1,4 @@
-"""A results file of ``python -m sdm_ops.bench --json PATH`` as Markdown tables, on stdout:
+"""A results file of ``python -m benchmarks.bench --json PATH`` as Markdown tables, on stdout:
 ``python benchmarks/table.py PATH [--section NAME ...]``.
 
 One line says where the figures come from (device, torch, triton, workload, copy bandwidth),
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/table.py", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("results", help="a JSON file written by python -m sdm_ops.bench --json")
+    parser.add_argument("results", help="a JSON file written by python -m benchmarks.bench --json")
     parser.add_argument(
         "--section",
         action="append",

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-TARGET_ACCURACY = 0.95  # the recall accuracy the demo and python -m sdm_ops.mqar must reach
-STEPS = 600  # their training steps (sdm_ops.mqar: the recipe)
+# The recall accuracy the demo and python -m sdm_ops.examples.mqar must reach.
+TARGET_ACCURACY = 0.95
+STEPS = 600  # their training steps (sdm_ops.examples.mqar: the recipe)
 
 
 def positive_int(text: str) -> int:
@@ -46,7 +47,7 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
-    """The training options shared by ``python -m sdm_ops.mqar`` and ``python -m
+    """The training options shared by ``python -m sdm_ops.examples.mqar`` and ``python -m
     sdm_ops.demo``."""
     parser.add_argument(
         "--steps",
@@ -81,3 +82,10 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="seconds between progress lines (default 5)",
     )
+
+
+def default_device() -> str:
+    """``cuda`` where a CUDA GPU is available, else ``cpu`` (imports torch)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,15 +1,16 @@
 """Serving a model built on ``SparseDeltaMemory`` with ``torch.export`` and AOTInductor.
 
-A model to serve has two entry points, as :class:`TinyLM` shows: ``forward(tokens)`` runs a
-prompt and returns ``(logits, states)``, each layer's final bank, and ``step_(tokens, states)``
-decodes the next tokens from those banks, updating them in place. :func:`export_prompt` and
-:func:`export_decode` export the two as ``torch.export.ExportedProgram`` objects: the prompt with a
-dynamic batch and length, the decode step (one token) with a dynamic batch, its states
-recorded as inputs the program mutates. ``torch._inductor.aoti_compile_and_package`` compiles
-each program into a ``.pt2`` package and ``torch._inductor.aoti_load_package`` loads it,
-without the model's code; the loaded decode package updates the states it is given in place.
-A package reads its inputs with the strides of the example, which the export functions make
-contiguous: give it contiguous tensors (``AOTI_RUNTIME_CHECK_INPUTS=1`` makes it check them).
+A model to serve has two entry points, as ``sdm_ops.examples.tiny_lm.TinyLM`` shows:
+``forward(tokens)`` runs a prompt and returns ``(logits, states)``, each layer's final bank, and
+``step_(tokens, states)`` decodes the next tokens from those banks, updating them in place.
+:func:`export_prompt` and :func:`export_decode` export the two as
+``torch.export.ExportedProgram`` objects: the prompt with a dynamic batch and length, the decode
+step (one token) with a dynamic batch, its states recorded as inputs the program mutates.
+``torch._inductor.aoti_compile_and_package`` compiles each program into a ``.pt2`` package and
+``torch._inductor.aoti_load_package`` loads it, without the model's code; the loaded decode
+package updates the states it is given in place. A package reads its inputs with the strides of
+the example, which the export functions make contiguous: give it contiguous tensors
+(``AOTI_RUNTIME_CHECK_INPUTS=1`` makes it check them).
 
 The exported graphs hold ``sdm.product_key_topk`` and ``sdm.sparse_delta_memory`` (prompt) or
 ``sdm.sparse_delta_memory_`` (decode) as single nodes, also after ``run_decompositions()``;
@@ -26,7 +27,7 @@ have batch >= 2 (``torch.export`` specializes sizes 0 and 1) and a prompt longer
 layer's ``chunk_size``: AOTInductor specializes the number of chunks of the example when it is
 1, and a package made from a one-chunk example computes longer prompts wrongly.
 
-``python -m sdm_ops.serve --out DIR`` exports and packages a :class:`TinyLM`, loads the
+``python -m sdm_ops.serve --out DIR`` exports and packages a ``TinyLM``, loads the
 packages and checks a prompt and decode steps against the eager model.
 """
 
@@ -63,44 +64,8 @@ if __name__ == "__main__":
 import torch
 from torch import Tensor, nn
 
-from .mqar import default_device
+from ._cli import default_device
 from .nn import SparseDeltaMemory
-
-MEMORY = dict(heads=2, head_dim=32, factors=(16, 16), read_topk=4, write_topk=4, chunk_size=16)
-
-
-class TinyLM(nn.Module):
-    """Token embedding -> ``layers`` residual blocks ``x + memory(norm(x))`` -> norm -> logits.
-
-    ``forward(tokens [B, T]) -> (logits [B, T, vocab], states)``, ``states`` a list of each
-    layer's final bank ``[B, H, S, D]``; ``step_(tokens [B, T], states) -> logits`` continues
-    from ``states`` and updates them in place. ``memory`` holds ``SparseDeltaMemory``'s
-    options (default ``MEMORY``).
-    """
-
-    def __init__(self, vocab: int = 256, d_model: int = 64, layers: int = 2, **memory):
-        super().__init__()
-        memory = {**MEMORY, **memory}
-        self.embed = nn.Embedding(vocab, d_model)
-        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(layers))
-        self.memories = nn.ModuleList(SparseDeltaMemory(d_model, **memory) for _ in range(layers))
-        self.norm = nn.RMSNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, tokens: Tensor) -> tuple[Tensor, list[Tensor]]:
-        x, states = self.embed(tokens), []
-        for norm, memory in zip(self.norms, self.memories):
-            y, state = memory(norm(x), return_state=True)
-            x = x + y
-            states.append(state)
-        return self.head(self.norm(x)), states
-
-    @torch.no_grad()
-    def step_(self, tokens: Tensor, states: list[Tensor]) -> Tensor:
-        x = self.embed(tokens)
-        for norm, memory, state in zip(self.norms, self.memories, states):
-            x = x + memory.step_(norm(x), state)
-        return self.head(self.norm(x))
 
 
 class DecodeStep(nn.Module):
@@ -195,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     dev = torch.device(args.device or default_device())
     torch.manual_seed(0)
+    from .examples.tiny_lm import MEMORY, TinyLM
+
     model = TinyLM().to(dev).eval()
     g = torch.Generator().manual_seed(1)
     example = torch.randint(0, 256, (2, 2 * MEMORY["chunk_size"] + 1), generator=g).to(dev)

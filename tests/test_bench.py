@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sdm_ops import bench
+from benchmarks import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,9 +68,9 @@ def test_a_hot_workload_names_only_its_hot_slots():
 
 
 def run_module(*args, env=None):
-    """``python -m sdm_ops.bench ARGS`` from the repository root, as a user runs it."""
+    """``python -m benchmarks.bench ARGS`` from the repository root, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "sdm_ops.bench", *args],
+        [sys.executable, "-m", "benchmarks.bench", *args],
         check=False,
         cwd=ROOT,
         capture_output=True,
@@ -96,7 +96,7 @@ def test_without_cuda_it_exits_2_and_says_why():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = run_module("--only", "main", env=env)
     assert done.returncode == 2
-    assert done.stderr.startswith("usage: python -m sdm_ops.bench")
+    assert done.stderr.startswith("usage: python -m benchmarks.bench")
     assert "needs a CUDA GPU" in done.stderr
     assert done.stdout == ""
 
@@ -175,6 +175,6 @@ def test_snapshot_errors_write_json(tmp_path):
     ],
 )
 def test_gpu_busy_is_the_union_of_the_kernels_intervals(intervals, want):
-    from sdm_ops import _timing
+    from benchmarks import _timing
 
     assert _timing.busy_and_span(intervals) == want

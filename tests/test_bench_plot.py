@@ -1,4 +1,4 @@
-"""``python -m sdm_ops.bench --plot``: the state section's batch rule, the plot drawn from a
+"""``python -m benchmarks.bench --plot``: the state section's batch rule, the plot drawn from a
 results dict of synthetic timings (the GPU timings themselves are the benchmark's output),
 the plot from a ``--json`` file without a GPU, and the refusals."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sdm_ops import _plot, bench
+from benchmarks import _plot, bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

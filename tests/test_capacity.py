@@ -1,4 +1,4 @@
-"""``python -m sdm_ops.capacity``: the dense layer is DeltaNet, the two memory layers have the
+"""``python -m benchmarks.capacity``: the dense layer is DeltaNet, the two memory layers have the
 same parameter count, and a small sweep on the CPU trains both models, whose recalls (the
 table, the JSON file and the plot) are those of the trained models on the held-out sequences.
 """
@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import table
-from sdm_ops import _plot, capacity, mqar, sparse_delta_memory
+from benchmarks import _plot, capacity, table
+from sdm_ops import sparse_delta_memory
+from sdm_ops.examples import mqar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -360,7 +361,7 @@ def test_from_json_prints_the_table_and_plots_again(swept, tmp_path, capsys):
 
 def run_module(*args):
     return subprocess.run(
-        [sys.executable, "-m", "sdm_ops.capacity", *args],
+        [sys.executable, "-m", "benchmarks.capacity", *args],
         check=False,
         cwd=ROOT,
         capture_output=True,
@@ -443,7 +444,7 @@ def test_bad_options_exit_2_naming_them(argv, message, capsys):
         capacity.main(["--small", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: python -m sdm_ops.capacity") and message in err
+    assert err.startswith("usage: python -m benchmarks.capacity") and message in err
 
 
 def test_the_token_layout_is_the_same_at_every_number_of_pairs():

@@ -187,7 +187,7 @@ def test_windows_take_many_shared_entries_in_small_buckets(heavy_flags, monkeypa
 
 def _shared_counts(a, C):
     """Entries per chunk that share a slot with another entry of the chunk (bench's count)."""
-    from sdm_ops import bench
+    from benchmarks import bench
 
     return bench.shared_entries({k: a[k].cpu() for k in ("write_idx", "read_idx")}, C)[0].flatten()
 

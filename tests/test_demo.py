@@ -1,4 +1,4 @@
-"""The demo and its recipe (``sdm_ops.demo``, ``sdm_ops.mqar``): the command lines, the
+"""The demo and its recipe (``sdm_ops.demo``, ``sdm_ops.examples.mqar``): the command lines, the
 progress printer on a fake clock, the last lines that say whether a run reached its target,
 and the recipe itself, trained for real: in fewer steps over several seeds, deterministic for
 a seed and thread count, and, marked slow (``python -m pytest -m slow``), ``python -m
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from sdm_ops import demo, mqar
+from sdm_ops.examples import demo, mqar
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

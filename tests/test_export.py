@@ -26,7 +26,8 @@ import zipfile
 import pytest
 import torch
 
-from sdm_ops.serve import TinyLM, export_decode, export_prompt
+from sdm_ops.examples.tiny_lm import TinyLM
+from sdm_ops.serve import export_decode, export_prompt
 from tests.helpers import assert_close, kernel_modules, requires_cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -26,22 +26,30 @@ def entry_points() -> list[tuple[str, ...]]:
     """The command lines of every entry point: the package's modules run with -m, and the
     scripts of benchmarks/ and tools/ (each a file with a ``__main__`` block)."""
     found = []
-    for path in sorted((ROOT / "sdm_ops").glob("*.py")):
-        if 'if __name__ == "__main__":' in path.read_text():
-            found.append(("-m", f"sdm_ops.{path.stem}"))
+    for path in sorted([*(ROOT / "sdm_ops").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
+        text = path.read_text()
+        module = path.relative_to(ROOT).with_suffix("").parts
+        # The package's commands, and the benchmarks that import their package, run with -m.
+        if 'if __name__ == "__main__":' in text and (
+            module[0] == "sdm_ops" or "from benchmarks import" in text
+        ):
+            found.append(("-m", ".".join(module)))
     for folder in ("benchmarks", "tools"):
         for path in sorted((ROOT / folder).glob("*.py")):
-            if 'if __name__ == "__main__":' in path.read_text():
+            text = path.read_text()
+            runs_with_m = folder == "benchmarks" and "from benchmarks import" in text
+            if 'if __name__ == "__main__":' in text and not runs_with_m:
                 found.append((f"{folder}/{path.name}",))
     return found
 
 
 def test_the_entry_points_are_the_known_commands():
     assert entry_points() == [
-        ("-m", "sdm_ops.bench"),
-        ("-m", "sdm_ops.capacity"),
+        ("-m", "benchmarks.bench"),
+        ("-m", "benchmarks.capacity"),
         ("-m", "sdm_ops.demo"),
-        ("-m", "sdm_ops.mqar"),
+        ("-m", "sdm_ops.examples.demo"),
+        ("-m", "sdm_ops.examples.mqar"),
         ("-m", "sdm_ops.serve"),
         ("benchmarks/ab.py",),
         ("benchmarks/table.py",),

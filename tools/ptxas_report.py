@@ -49,7 +49,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import sdm_ops
-from sdm_ops import bench
+from benchmarks import bench
 from sdm_ops.kernels._common import _ON_CPU
 from tests.test_kernels_compile_sm90 import _recording, _signature
 

@@ -1,8 +1,8 @@
 """Capacity: recall against the number of stored key-value pairs, the sparse memory beside a
 dense delta rule.
 
-``python -m sdm_ops.capacity`` trains, for each number of pairs P (16 to 4096 by default), two
-models on multi-query associative recall (``sdm_ops.mqar.MQARTask`` with
+``python -m benchmarks.capacity`` trains, for each number of pairs P (16 to 4096 by default), two
+models on multi-query associative recall (``sdm_ops.examples.mqar.MQARTask`` with
 one token layout for the whole sweep: P pairs whose keys come from a vocabulary of
 ``keys_per_pair * P`` keys, then up to ``max_queries`` of their keys again, T = 2P + queries
 tokens) and evaluates both on the same held-out sequences:
@@ -68,11 +68,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from . import _plot
-from ._cli import add_device_option, positive_float, positive_int, seconds
-from .layout import CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES
+from benchmarks import _plot
+from sdm_ops._cli import add_device_option, positive_float, positive_int, seconds
+from sdm_ops.layout import CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES
 
-PROG = "python -m sdm_ops.capacity"
+PROG = "python -m benchmarks.capacity"
 MODELS = ("sdm", "dense")
 BACKENDS = ("auto", "fla", "sdm")
 EVAL_SEED = 1234
@@ -416,9 +416,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import mqar
-from .nn import SparseDeltaMemory
-from .recurrence import sparse_delta_memory
+from sdm_ops.examples import mqar
+from sdm_ops.nn import SparseDeltaMemory
+from sdm_ops.recurrence import sparse_delta_memory
 
 # ---------------------------------------------------------------------------
 # The dense delta rule
@@ -620,8 +620,8 @@ def check_parameter_counts(cfg: Config) -> dict[str, int]:
 
 
 class RecallModel(nn.Module):
-    """Token embedding -> ``layers`` blocks (``sdm_ops.mqar.Block``: token shift, the memory
-    layer, an MLP) -> RMSNorm -> logits. ``forward(tokens, last)`` gives the logits of the
+    """Token embedding -> ``layers`` blocks (``sdm_ops.examples.mqar.Block``: token shift, the
+    memory layer, an MLP) -> RMSNorm -> logits. ``forward(tokens, last)`` gives the logits of the
     last ``last`` positions only (the queries), or of every position."""
 
     def __init__(self, vocab: int, d_model: int, layers: int, memory: Callable[[], nn.Module]):

@@ -1,4 +1,4 @@
-"""Benchmarks of sdm_ops on a CUDA GPU: ``python -m sdm_ops.bench [--only SECTIONS]``.
+"""Benchmarks of sdm_ops on a CUDA GPU: ``python -m benchmarks.bench [--only SECTIONS]``.
 
 The reference workload: B=8, T=4096, H=8, D=64, S=65536, W=R=8, chunk 64, bfloat16 values.
 Sections (``--only``, comma-separated; the first five run by default):
@@ -32,7 +32,7 @@ Sections (``--only``, comma-separated; the first five run by default):
   and draws it as a PNG (matplotlib, ``pip install 'sdm_ops[plot]'``); ``--plot PATH
   --from-json FILE`` draws a results file's section without a GPU.
 
-Times are medians of ``triton.testing.do_bench`` (``sdm_ops._timing``); "graph" columns are
+Times are medians of ``triton.testing.do_bench`` (``benchmarks._timing``); "graph" columns are
 the call replayed from a CUDA graph, "x floor" the graph time over the floor.
 """
 
@@ -50,7 +50,7 @@ from functools import partial
 
 from sdm_ops.layout import CHUNK_SIZES, HEAD_DIMS
 
-PROG = "python -m sdm_ops.bench"
+PROG = "python -m benchmarks.bench"
 SECTIONS = (
     "main",
     "snapshots",
@@ -187,7 +187,7 @@ if __name__ == "__main__":
 import torch
 
 import sdm_ops
-from sdm_ops import _plot, _timing
+from benchmarks import _plot, _timing
 from sdm_ops import reference as ref
 
 # ---------------------------------------------------------------------------
@@ -817,7 +817,7 @@ def section_packed(run: Run) -> None:
 
 
 def section_addressing(run: Run) -> None:
-    from .kernels.chunk_prepare_sparse import COMPACT
+    from sdm_ops.kernels.chunk_prepare_sparse import COMPACT
 
     S = run.args.S
     t = Section(

@@ -1,5 +1,5 @@
 """matplotlib, an optional extra (``pip install 'sdm_ops[plot]'``), for the PNG figures of
-``python -m sdm_ops.capacity`` and ``python -m sdm_ops.bench --plot``.
+``python -m benchmarks.capacity`` and ``python -m benchmarks.bench --plot``.
 
 Figures are drawn on a ``matplotlib.figure.Figure`` of their own (no pyplot, no global
 backend), so plotting changes nothing in the caller's matplotlib state.

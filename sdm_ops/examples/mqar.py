@@ -7,7 +7,7 @@ first_value + num_values)``, right after the keys unless ``value_offset`` says o
 value paired with that key; every other position is ignored
 (label -100). A model solves it by writing each value under its key and reading it back.
 
-``python -m sdm_ops.mqar`` (or ``main()``) trains the model of :class:`MQARModel` under
+``python -m sdm_ops.examples.mqar`` (or ``main()``) trains the model of :class:`MQARModel` under
 ``torch.compile(fullgraph=True)``, printing progress (when it compiles, then a line every few
 seconds with the step, loss, time elapsed and time left), and ends with ``recall accuracy:
 <fraction>`` on held-out sequences and whether that reached ``TARGET_ACCURACY`` (0.95; with
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._cli import STEPS, TARGET_ACCURACY, add_training_options
+from sdm_ops._cli import STEPS, TARGET_ACCURACY, add_training_options, default_device
 
 IGNORE = -100
 
@@ -86,8 +86,9 @@ class MQARTask:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sdm_ops.mqar",
-        description=f"Train the small SparseDeltaMemory model of sdm_ops.mqar on multi-query "
+        prog="python -m sdm_ops.examples.mqar",
+        description="Train the small SparseDeltaMemory model of sdm_ops.examples.mqar on "
+        f"multi-query "
         f"associative recall ({MQARTask.num_pairs} key-value pairs, then "
         f"{MQARTask.num_queries} of the keys again; the model answers each with its "
         f"value) and print its recall accuracy on held-out sequences. Progress: a "
@@ -106,7 +107,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .nn import SparseDeltaMemory
+from sdm_ops.nn import SparseDeltaMemory
 
 
 class TokenShift(nn.Module):
@@ -212,10 +213,6 @@ def evaluate(
         hits, total = hits + int(h), total + int(n)
     model.train(was_training)
     return hits / total
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Progress:
