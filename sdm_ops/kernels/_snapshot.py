@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..layout import QUANT_GROUP
+from ._tiles import snapshot_entries
 
 BLOCK_D = QUANT_GROUP  # columns per program: a program quantizes one snapshot group
 SNAP_NONE, SNAP_BF16, SNAP_FP8, SNAP_INT4 = 0, 1, 2, 3
@@ -77,6 +78,21 @@ def store_snapshot(
                 snap + ent[:, :, None] * (D // 2) + half[None, None, :], byte, mask=ok[:, :, None]
             )
         tl.store(snap_scale + ent * (D // BD) + c0 // BD, scale, mask=ok)
+
+
+@triton.jit
+def store_token_rows(
+    snap, snap_scale, tok, rows, wm, qrows, rm, c0, cols, W, R, WP, RP, D, BD, MODE
+):
+    """Store a tile's gathered write rows [TB, WP, BD] and read rows [TB, RP, BD] (masks ``wm``,
+    ``rm``) as the snapshot of the tokens ``tok``: a token's W write entries, then its R read
+    entries (``snapshot_entries``)."""
+    store_snapshot(
+        snap, snap_scale, snapshot_entries(tok, 0, W + R, WP), rows, wm, c0, cols, D, BD, MODE
+    )
+    store_snapshot(
+        snap, snap_scale, snapshot_entries(tok, W, W + R, RP), qrows, rm, c0, cols, D, BD, MODE
+    )
 
 
 @triton.jit

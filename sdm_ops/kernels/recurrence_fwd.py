@@ -15,10 +15,9 @@ the write and read rows (and store them as the snapshot), u = beta (v - retrieve
 and out = inter + QX u by full-float32 dots, then, after a barrier, write. Without a snapshot
 (the in-place and inference forwards) the walk forms only delta and stores res = v - retrieved
 and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta res) afterwards, one
-program a chunk and stream, in tf32x3: the walk then fits two programs an SM.
-Where the walk's programs are no more than the SMs and the bank is float32 (``walk_forms_out``:
-few streams), it forms out itself by the full-float32 dot, as with a snapshot; which of the two
-a call takes depends on its streams, D, bank dtype and the device's SM count alone.
+program a chunk and stream, in tf32x3: the walk then fits two programs an SM. With no more
+programs than SMs and a float32 bank (``walk_forms_out``), the walk forms out itself by the
+full-float32 dot; the choice depends on the streams, D, bank dtype and SM count alone.
 Otherwise the chunk goes in three steps over tiles of TB tokens, with barriers between them:
 (1) gathers, storing res = v - retrieved and inter (to a per-program scratch); (2) the dots,
 storing delta; (3) the writes. Writes go in passes over the entries' rank within their slot:
@@ -27,8 +26,7 @@ the first entry on each slot (rank 0) stores row_decay * M0 + its term, then ent
 load round trip; a load and a store into a bfloat16 one, rounding as it goes), so every bank
 row has one writer at a time and the sum runs in entry order: bitwise deterministic (for a
 given tile geometry and warp count, pinned here). On the one-tile path each chunk also loads
-the next chunk's indices and gather weights, which do not depend on the bank, while its own
-gathers are in flight.
+the next chunk's indices and gather weights while its own gathers are in flight.
 
 Layout (all contiguous): v, out [B, T, H, D] (out in v's dtype); beta [B, T, H];
 write_idx, gather_w, scatter_w, row_decay, rank [B, T, H, W]; read_idx, gather_r [B, T, H, R];
@@ -74,8 +72,8 @@ from torch.library import wrap_triton
 
 from .._finite import FLT_MAX as _FLT_MAX
 from ._common import chunk_grid, sm_count
-from ._snapshot import BLOCK_D, SNAP_CODES, store_snapshot
-from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
+from ._snapshot import BLOCK_D, SNAP_CODES, store_token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 
 _ROWS = 32  # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
@@ -288,29 +286,8 @@ def _recurrence_fwd_kernel(
             writes = tl.max(ok.to(tl.int32), 1) > 0
             rr = tl.where(writes[:, None], vv - retrieved, 0.0)
             if SNAPSHOT:
-                store_snapshot(
-                    snap,
-                    snap_scale,
-                    snapshot_entries(tok, 0, W + R, WP),
-                    rows,
-                    wm,
-                    c0,
-                    rcols,
-                    D,
-                    BD,
-                    MODE,
-                )
-                store_snapshot(
-                    snap,
-                    snap_scale,
-                    snapshot_entries(tok, W, W + R, RP),
-                    qrows,
-                    rm,
-                    c0,
-                    rcols,
-                    D,
-                    BD,
-                    MODE,
+                store_token_rows(
+                    snap, snap_scale, tok, rows, wm, qrows, rm, c0, rcols, W, R, WP, RP, D, BD, MODE
                 )
                 tl.store(res + tok[:, None] * D + cols[None, :], rr, mask=tok_ok[:, None])
             uu = bb[:, None] * rr
@@ -410,26 +387,20 @@ def _recurrence_fwd_kernel(
                     False,
                 )
                 if SNAPSHOT:
-                    store_snapshot(
+                    store_token_rows(
                         snap,
                         snap_scale,
-                        snapshot_entries(tok, 0, W + R, WP),
+                        tok,
                         rows,
                         wm,
-                        c0,
-                        rcols,
-                        D,
-                        BD,
-                        MODE,
-                    )
-                    store_snapshot(
-                        snap,
-                        snap_scale,
-                        snapshot_entries(tok, W, W + R, RP),
                         qrows,
                         rm,
                         c0,
                         rcols,
+                        W,
+                        R,
+                        WP,
+                        RP,
                         D,
                         BD,
                         MODE,
