@@ -127,12 +127,19 @@ def check_serve(ns: dict) -> None:
     assert pathlib.Path("prompt.pt2").exists() and pathlib.Path("decode.pt2").exists()
 
 
+def check_opcheck(ns: dict) -> None:
+    """opcheck ran every one of its tests on the operator, and each passed."""
+    results = ns["results"]
+    assert results and set(results.values()) == {"SUCCESS"}, results
+
+
 CHECKS = {
     "Train a compiled model": check_train,
     "Call the operators": check_operators,
     "Decode under a CUDA graph": check_decode_graph,
     "Packed variable-length batches": check_packed,
     "Serve with torch.export / AOTInductor": check_serve,
+    "Run opcheck": check_opcheck,
 }
 
 
