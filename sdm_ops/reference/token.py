@@ -8,6 +8,24 @@ import torch
 from ._common import _entries, _gather_rows, compute_dtype
 
 
+def _dense(slot, w, dec, S: int):
+    """A token's entries (``slot``, ``w``, ``dec`` [B, H, E], slot -1 for padding) as dense
+    [B, H, S] vectors: the sum of their weights on each slot, the product of their decays (1
+    without), and which slots they name."""
+    B, H, _ = slot.shape
+    k = torch.zeros(B, H, S, dtype=w.dtype)
+    d = torch.ones(B, H, S, dtype=w.dtype)
+    named = torch.zeros(B, H, S, dtype=torch.bool)
+    for j in range(slot.shape[-1]):
+        hit = torch.nn.functional.one_hot(slot[..., j].clamp(min=0), S).to(torch.bool)
+        hit &= (slot[..., j] >= 0)[..., None]
+        named |= hit
+        k = k + torch.where(hit, w[..., j : j + 1], 0)
+        if dec is not None:
+            d = d * torch.where(hit, dec[..., j : j + 1], 1)
+    return k, d, named
+
+
 def sdm_token_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
     """The recurrence token by token on dense per-stream state (small S only).
 
@@ -23,23 +41,8 @@ def sdm_token_reference(v, beta, write_idx, write_w, read_idx, read_w, bank, dec
             write_idx[:, t], write_w[:, t].to(cd), S, None if decay is None else decay[:, t].to(cd)
         )
         rslot, rw, _ = _entries(read_idx[:, t], read_w[:, t].to(cd), S)
-        k = torch.zeros(B, H, S, dtype=cd)
-        d = torch.ones(B, H, S, dtype=cd)
-        written = torch.zeros(B, H, S, dtype=torch.bool)
-        for j in range(slot.shape[-1]):
-            hit = torch.nn.functional.one_hot(slot[..., j].clamp(min=0), S).to(torch.bool)
-            hit &= (slot[..., j] >= 0)[..., None]
-            written |= hit
-            k = k + torch.where(hit, w[..., j : j + 1], 0)
-            if dec is not None:
-                d = d * torch.where(hit, dec[..., j : j + 1], 1)
-        q = torch.zeros(B, H, S, dtype=cd)
-        read = torch.zeros(B, H, S, dtype=torch.bool)
-        for j in range(rslot.shape[-1]):
-            hit = torch.nn.functional.one_hot(rslot[..., j].clamp(min=0), S).to(torch.bool)
-            hit &= (rslot[..., j] >= 0)[..., None]
-            read |= hit
-            q = q + torch.where(hit, rw[..., j : j + 1], 0)
+        k, d, written = _dense(slot, w, dec, S)
+        q, _, read = _dense(rslot, rw, None, S)
         # Sums over the named slots only, and only written rows change (selected, not
         # multiplied by zero: padding and rows no entry names stay out of every sum).
         Mp = torch.where(written[..., None], d[..., None] * M, M)
