@@ -52,35 +52,23 @@ def _finite(x: Tensor) -> Tensor:
     return x.abs() <= FLT_MAX
 
 
-def clean(
-    beta: Tensor,
-    write_idx: Tensor,
-    write_w: Tensor,
-    read_idx: Tensor,
-    read_w: Tensor,
-    decay: Tensor | None,
-    S: int,
-) -> Clean:
-    """The finite inputs of phase 1 and the WY solve (``Clean``) of one call."""
-    valid_w = (write_idx >= 0) & (write_idx < S)
-    valid_r = (read_idx >= 0) & (read_idx < S)
-    ok_w = valid_w & _finite(write_w)
-    bad_w = valid_w & ~_finite(write_w)
+def clean(keep: Kept, beta: Tensor, write_w: Tensor, read_w: Tensor, decay: Tensor | None) -> Clean:
+    """The finite inputs of phase 1 and the WY solve (``Clean``) of one call, from the masks of
+    what it keeps (``kept``)."""
+    valid_w = keep.write_entries
+    bad_w = valid_w & ~keep.write_w
     if decay is not None:
-        ok_d = valid_w & _finite(decay)
-        bad_w = bad_w | (valid_w & ~ok_d)
-        decay = torch.where(ok_d, decay, 1.0)
-    writes = valid_w.any(-1)
-    beta_ok = writes & _finite(beta)
-    write_bad = bad_w.any(-1) | (writes & ~_finite(beta))
-    beta = torch.where(beta_ok, beta, 0.0)
-    bad_r = valid_r & ~_finite(read_w)
-    bad_reads = valid_r & bad_r.any(-1, keepdim=True)
+        bad_w = bad_w | (valid_w & ~keep.decay)
+        decay = torch.where(keep.decay, decay, 1.0)
+    write_bad = bad_w.any(-1) | (valid_w.any(-1) & ~keep.beta)
+    bad_r = keep.read_entries & ~keep.read_w
+    bad_reads = keep.read_entries & bad_r.any(-1, keepdim=True)
+    beta = torch.where(keep.beta, beta, 0.0)
     return Clean(
         beta=beta,
         beta_walk=torch.where(write_bad, float("nan"), beta),
-        write_w=torch.where(ok_w, write_w, 0.0),
-        read_w=torch.where(valid_r & ~bad_r, read_w, 0.0),
+        write_w=torch.where(keep.write_w, write_w, 0.0),
+        read_w=torch.where(keep.read_w, read_w, 0.0),
         decay=decay,
         bad_reads=bad_reads,
     )
@@ -101,6 +89,8 @@ class Kept(NamedTuple):
     write_w: Tensor
     read_w: Tensor
     decay: Tensor | None
+    write_entries: Tensor  # the write entries inside [0, S), padding or not
+    read_entries: Tensor  # the same of the read entries
 
     @staticmethod
     def _keep(mask: Tensor, grad: Tensor) -> Tensor:
@@ -130,9 +120,12 @@ def kept(
 ) -> Kept:
     """The masks of what ``clean`` keeps of these inputs."""
     valid_w = (write_idx >= 0) & (write_idx < S)
+    valid_r = (read_idx >= 0) & (read_idx < S)
     return Kept(
         beta=valid_w.any(-1) & _finite(beta),
         write_w=valid_w & _finite(write_w),
-        read_w=(read_idx >= 0) & (read_idx < S) & _finite(read_w),
+        read_w=valid_r & _finite(read_w),
         decay=None if decay is None else valid_w & _finite(decay),
+        write_entries=valid_w,
+        read_entries=valid_r,
     )

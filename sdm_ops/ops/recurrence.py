@@ -120,7 +120,8 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     chunks, seq_chunks = (
         (None, None) if cu_seqlens is None else _varlen_chunks(cu_seqlens, v.shape[1], C)
     )
-    clean = _finite.clean(beta, write_idx, write_w, read_idx, read_w, decay, S)
+    keep = _finite.kept(beta, write_idx, write_w, read_idx, read_w, decay, S)
+    clean = _finite.clean(keep, beta, write_w, read_w, decay)
     prep = Prepared(
         *_chunk_prepare(
             write_idx, clean.write_w, read_idx, clean.read_w, clean.decay, S, C, chunks, seq_chunks
@@ -313,7 +314,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     decay = None if decay is None else decay.contiguous()
     # What the forward ran on (``_finite``); inputs it selected away get no gradient.
     selected = _finite.kept(beta, write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows)
-    clean = _finite.clean(beta, write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows)
+    clean = _finite.clean(selected, beta, write_w, read_w, decay)
     beta, write_w, read_w, decay = clean.beta, clean.write_w, clean.read_w, clean.decay
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
