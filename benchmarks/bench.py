@@ -48,6 +48,7 @@ import sys
 import time
 from functools import partial
 
+from benchmarks._cli import command_parser
 from sdm_ops.layout import CHUNK_SIZES, HEAD_DIMS
 
 PROG = "python -m benchmarks.bench"
@@ -93,18 +94,16 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-        epilog="Output: one table per section on stdout, each row printed once measured,\n"
+    epilog = (
+        "Output: one table per section on stdout, each row printed once measured,\n"
         "and a progress line per case on stderr. Figures are milliseconds unless a\n"
         "column says otherwise. --json writes every figure with the device and the\n"
         "versions; benchmarks/table.py in the repository renders such a file as\n"
         "Markdown tables. --plot PATH writes the state section as a PNG. Without a\n"
         "CUDA GPU it exits with status 2 (unless --only snapshot-errors, or --plot\n"
-        "with --from-json).",
+        "with --from-json)."
     )
+    parser = command_parser(PROG, __doc__, epilog)
     shape = parser.add_argument_group("workload (the reference workload by default)")
     for name, default, what in (
         ("B", 8, "sequences in the batch"),
@@ -376,6 +375,11 @@ def timed(prefix: str, fn) -> dict:
     return {f"{prefix}_ms": _timing.eager_ms(fn), f"{prefix}_graph_ms": _timing.graph_ms(fn)}
 
 
+# The table columns of ``timed("fwd", ...)`` and ``timed("fwd_bwd", ...)``.
+FWD_COLUMNS = (("fwd_ms", "fwd ms", ".3f"), ("fwd_graph_ms", "graph", ".3f"))
+FWD_BWD_COLUMNS = (("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_bwd_graph_ms", "graph", ".3f"))
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -510,8 +514,7 @@ def section_main(run: Run) -> None:
         "main",
         "reference workload: forward, in place, forward+backward",
         [
-            ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_graph_ms", "graph", ".3f"),
+            *FWD_COLUMNS,
             ("fwd_host_ms", "host ms", ".3f"),
             ("launches", "launches", "d"),
             ("fwd_floor_ms", "floor ms", ".3f"),
@@ -520,8 +523,7 @@ def section_main(run: Run) -> None:
             ("in_place_graph_ms", "in place", ".3f"),
             ("in_place_floor_ms", "floor ms", ".3f"),
             ("in_place_x_floor", "x floor", ".2f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            *FWD_BWD_COLUMNS,
             ("fwd_bwd_floor_ms", "floor ms", ".3f"),
             ("fwd_bwd_x_floor", "x floor", ".2f"),
             ("peak_gib", "peak GiB", ".2f"),
@@ -576,8 +578,7 @@ def section_snapshots(run: Run) -> None:
         "forward+backward by snapshot mode, float32 bank, decay",
         [
             ("bytes_per_token", "bytes/token", "d"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            *FWD_BWD_COLUMNS,
         ],
     )
     a = make_workload(*run.shape, decay=True, bank_dtype=torch.float32)
@@ -746,10 +747,8 @@ def section_peers(run: Run) -> None:
         f"fla-core at B={B} T={T} H={H} K=V={D}, bfloat16 (a {D}x{D} "
         f"state per stream, {S // D} times smaller than the bank)",
         [
-            ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_graph_ms", "graph", ".3f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            *FWD_COLUMNS,
+            *FWD_BWD_COLUMNS,
         ],
     )
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -792,10 +791,8 @@ def section_packed(run: Run) -> None:
         "(index -1, weight 0), float32 bank, decay",
         [
             ("tokens", "tokens", "d"),
-            ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_graph_ms", "graph", ".3f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            *FWD_COLUMNS,
+            *FWD_BWD_COLUMNS,
         ],
     )
     padded = make_workload(B, T, H, D, S, W, R, decay=True, bank_dtype=torch.float32)
@@ -829,10 +826,8 @@ def section_addressing(run: Run) -> None:
         [
             ("shared_per_chunk", "shared/chunk", ".1f"),
             ("dense_chunks", "dense chunks", ".1%"),
-            ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_graph_ms", "graph", ".3f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            *FWD_COLUMNS,
+            *FWD_BWD_COLUMNS,
         ],
     )
     cases = ((S, 32), (S, 64), (S, 128), (S // 16, 64), (S // 256, 64))
@@ -913,11 +908,9 @@ def section_topk(run: Run) -> None:
         f"product_key_topk, {TOPK_ROWS} rows, factors {TOPK_FACTORS}; floor: the rows read once",
         [
             ("floor_ms", "floor ms", ".3f"),
-            ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_graph_ms", "graph", ".3f"),
+            *FWD_COLUMNS,
             ("fwd_x_floor", "x floor", ".1f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            *FWD_BWD_COLUMNS,
             ("brute_force_ms", "brute force ms", ".1f"),
         ],
     )
@@ -1037,11 +1030,9 @@ def section_state(run: Run) -> None:
             ("B", "B", "d"),
             ("T", "T", "d"),
             ("state", "state/head", "d"),
-            ("fwd_ms", "fwd ms", ".3f"),
-            ("fwd_graph_ms", "graph", ".3f"),
+            *FWD_COLUMNS,
             ("in_place_graph_ms", "in place", ".3f"),
-            ("fwd_bwd_ms", "fwd+bwd ms", ".3f"),
-            ("fwd_bwd_graph_ms", "graph", ".3f"),
+            *FWD_BWD_COLUMNS,
         ],
     )
     fla, why = _import_peer("fla.ops.delta_rule", "chunk_delta_rule")

@@ -69,6 +69,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from benchmarks import _plot
+from benchmarks._cli import command_parser
 from sdm_ops._cli import add_device_option, positive_float, positive_int, seconds
 from sdm_ops.layout import CHUNK_SIZES, HEAD_DIMS, MAX_ENTRIES
 
@@ -196,11 +197,8 @@ SMALL = Config(
 
 def build_parser() -> argparse.ArgumentParser:
     d, s = Config(), SMALL
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-        epilog="Output: a header naming both layers and their parameter counts, progress\n"
+    epilog = (
+        "Output: a header naming both layers and their parameter counts, progress\n"
         "lines while each model trains (its step and loss, then the whole sweep's steps\n"
         "done of its total, time elapsed and time left), a line per trained model, then\n"
         "the table. Without matplotlib it prints the table and says how to get the\n"
@@ -210,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"top-{s.topk}, {2 * s.steps} steps new then {s.steps}: SMALL_TIME on 2 CPU cores\n"
         "(the README says how it was measured), most of it the dense layer's full\n"
         "addressing on the CPU reference path.\n"
-        "On a GPU, float32 matmuls run in TF32 (torch.set_float32_matmul_precision).",
+        "On a GPU, float32 matmuls run in TF32 (torch.set_float32_matmul_precision)."
     )
+    parser = command_parser(PROG, __doc__, epilog)
     task = parser.add_argument_group("task")
     task.add_argument(
         "--pairs",

@@ -16,11 +16,29 @@ import pytest
 import torch
 import triton
 
+import sdm_ops
+
 try:  # what ``triton.jit`` returns under TRITON_INTERPRET=1
     from triton.runtime.interpreter import InterpretedFunction
 except ImportError:
     InterpretedFunction = triton.JITFunction
 JIT_TYPES = (triton.JITFunction, InterpretedFunction)
+
+
+CHUNK = 16  # the chunk size of the compiled calls
+
+
+def run_sdm(**args):
+    """``sparse_delta_memory`` of ``args`` (``make_sdm_inputs``' names, ``cu_seqlens`` too) at
+    chunk size CHUNK, with the final state: the function the tests compile and call eagerly."""
+    return sdm_ops.sparse_delta_memory(**args, chunk_size=CHUNK, output_final_state=True)
+
+
+def sdm_loss(g_out, g_bank, **args):
+    """``<out, g_out> + <bank, g_bank>`` of :func:`run_sdm`: a scalar whose gradient reaches
+    every float input."""
+    out, new_bank = run_sdm(**args)
+    return (out * g_out).sum() + (new_bank * g_bank).sum()
 
 
 def _jit_function(obj):

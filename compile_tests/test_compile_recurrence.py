@@ -15,36 +15,23 @@ from torch._inductor.utils import run_and_get_code
 
 import sdm_ops
 from compile_tests import (
+    CHUNK,
     assert_kernels_in_code,
     fresh_dynamo,  # noqa: F401  (an autouse fixture)
     launched_kernels,
+    run_sdm,
+    sdm_loss,
 )
 from tests.helpers import assert_close, capture, make_sdm_inputs, requires_cuda
 
 RTOL = 1e-5  # compiled against eager: float32 rounding
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 B, H, D, S, W, R = 1, 2, 16, 32, 3, 2  # B * H = 2 streams
-CHUNK = 16
 
 
 def sdm_inputs(T: int, device: str, seed: int, **kwargs) -> dict:
     opts = dict(decay=True, shared=False) | kwargs
     return make_sdm_inputs(B, T, H, D, S, W, R, seed=seed, device=device, **opts)
-
-
-def run_sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay=None):
-    return sdm_ops.sparse_delta_memory(
-        v,
-        beta,
-        write_idx,
-        write_w,
-        read_idx,
-        read_w,
-        bank,
-        decay,
-        chunk_size=CHUNK,
-        output_final_state=True,
-    )
 
 
 def run_sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None):
@@ -77,11 +64,6 @@ def test_dynamic_sequence_lengths_compile_once_and_match_eager(device):
 
 
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
-
-
-def sdm_loss(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, g_out, g_bank):
-    out, new_bank = run_sdm(v, beta, write_idx, write_w, read_idx, read_w, bank, decay)
-    return (out * g_out).sum() + (new_bank * g_bank).sum()
 
 
 @pytest.mark.parametrize("device", DEVICES)

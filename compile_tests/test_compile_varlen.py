@@ -9,14 +9,17 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import sdm_ops
-from compile_tests import fresh_dynamo  # noqa: F401  (an autouse fixture)
+from compile_tests import (
+    CHUNK,
+    fresh_dynamo,  # noqa: F401  (an autouse fixture)
+    sdm_loss,
+)
 from sdm_ops import reference as ref
 from tests.helpers import assert_close, capture, make_packed_sdm_inputs, requires_cuda
 
 RTOL = 1e-5
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 H, D, S, W, R = 2, 16, 32, 3, 2
-CHUNK = 16
 FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 # Three packings of 40 tokens into 3 sequences: empty, shorter than a chunk, several chunks.
 PACKINGS = ([0, 7, 33], [20, 20, 0], [1, 16, 23])
@@ -26,23 +29,6 @@ def packed(lengths, device, seed):
     """(the other arguments, cu_seqlens) of a packed batch of ``lengths``."""
     a = make_packed_sdm_inputs(lengths, H, D, S, W, R, seed=seed, decay=True, device=device)
     return a, a.pop("cu_seqlens")
-
-
-def sdm_loss(v, beta, write_idx, write_w, read_idx, read_w, bank, decay, cu_seqlens, g_out, g_bank):
-    out, new_bank = sdm_ops.sparse_delta_memory(
-        v,
-        beta,
-        write_idx,
-        write_w,
-        read_idx,
-        read_w,
-        bank,
-        decay,
-        chunk_size=CHUNK,
-        cu_seqlens=cu_seqlens,
-        output_final_state=True,
-    )
-    return (out * g_out).sum() + (new_bank * g_bank).sum()
 
 
 @pytest.mark.parametrize("device", DEVICES)

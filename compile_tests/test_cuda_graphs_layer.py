@@ -22,7 +22,7 @@ from compile_tests import (
     launched_kernels,
 )
 from sdm_ops.nn import SparseDeltaMemory
-from tests.helpers import assert_close, capture, kernel_modules, requires_cuda
+from tests.helpers import SMALL_LAYER, assert_close, capture, kernel_modules, requires_cuda
 
 RTOL = 1e-4  # compiled or captured against eager, after SGD steps: float32 rounding
 B, T, D_MODEL = 2, 24, 32
@@ -37,12 +37,7 @@ class TinyModel(nn.Module):
         super().__init__()
         self.inp = nn.Linear(D_MODEL, D_MODEL)
         self.memory = SparseDeltaMemory(
-            D_MODEL,
-            heads=2,
-            head_dim=16,
-            factors=(4, 8),
-            read_topk=3,
-            write_topk=2,
+            **dict(SMALL_LAYER, d_model=D_MODEL, factors=(4, 8)),
             use_decay=True,
             chunk_size=16,
         )

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,6 +44,12 @@ requires_kernels = pytest.mark.skipif(
 )
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
+
+# The arguments of ``sparse_delta_memory`` (and of the references) in their positional order.
+SDM_ORDER = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay")
+# A small ``SparseDeltaMemory``: factors (4, 4) give 16 slots a head, so tokens often share slots.
+SMALL_LAYER = dict(d_model=32, heads=2, head_dim=16, factors=(4, 4), read_topk=3, write_topk=2)
 
 
 def kernel_modules() -> list:
@@ -95,6 +104,30 @@ def assert_close(
             f"(actual {actual[worst].item():.6g}, expected {expected[worst].item():.6g}); "
             f"tolerance {tol:.3e} = rtol {rtol:g} x max(|expected|, 1) {max(scale, 1.0):.3g}"
         )
+
+
+def run_module(module: str, *args: str, env=None) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` from the repository root, as a user runs it: its output
+    captured as text, its exit status returned, not checked."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+class FakeClock:
+    """A clock for progress lines: each call returns the next of ``times`` (seconds)."""
+
+    def __init__(self, times):
+        self.times = list(times)
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
 
 
 def capture(fn, warm_up=None):
@@ -182,6 +215,12 @@ def make_packed_sdm_inputs(
         [0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device
     )
     return a
+
+
+def sdm_positional(args: dict) -> list:
+    """The arguments in ``args`` in the positional order of ``sparse_delta_memory``, with
+    ``None`` for an absent one (no decay)."""
+    return [args.get(k) for k in SDM_ORDER]
 
 
 def to_float64(args: dict) -> dict:

@@ -17,12 +17,10 @@ from tests.helpers import (
     on_kernels,
     requires_cuda,
     requires_kernels,
+    sdm_positional,
     to_float64,
 )
-from tests.oracle import oracle_with_grads
-
-ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
-FLOATS = ["v", "beta", "write_w", "read_w", "bank", "decay"]
+from tests.oracle import FLOATS, oracle_with_grads
 
 
 def _grads(a, *, kernels: bool, chunk_size=16, snapshot="none", seed=1, loss_on_out=True):
@@ -73,7 +71,7 @@ def test_float64_gradcheck_through_the_cpu_operator(case):
     def f(*xs):
         kw = dict(a, **dict(zip(names, xs)))
         out, bank, _ = torch.ops.sdm.sparse_delta_memory(
-            *(kw.get(k) for k in ORDER),
+            *sdm_positional(kw),
             chunk_size=16,
             cu_seqlens=kw.get("cu_seqlens"),
             output_final_state=True,
@@ -124,7 +122,7 @@ def test_backward_of_the_operator_run_without_keep_for_backward_raises_a_clear_e
     # S = 64 > T (W + R) = 45: without the final state the call numbers a working set.
     a = make_sdm_inputs(T=9, S=64, seed=31)
     v = a["v"].clone().requires_grad_()
-    args = [dict(a, v=v).get(k) for k in ORDER]
+    args = sdm_positional(dict(a, v=v))
     _, _, kept = torch.ops.sdm.sparse_delta_memory(*args, output_final_state=True)
     assert len(kept) == len(sdm_ops.ops.KEPT_FOR_BACKWARD)
     # Without the final state it also keeps the working set's layout (working_set.WorkingRows).

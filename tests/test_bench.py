@@ -3,15 +3,12 @@ GPU timings themselves are not tested: they are the benchmark's output)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from benchmarks import bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_module
 
 
 @pytest.mark.parametrize("decay", [False, True])
@@ -67,21 +64,8 @@ def test_a_hot_workload_names_only_its_hot_slots():
     assert len(torch.cat([b["write_idx"].flatten(), b["read_idx"].flatten()]).unique()) > 8
 
 
-def run_module(*args, env=None):
-    """``python -m benchmarks.bench ARGS`` from the repository root, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench", *args],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-
-
 def test_help_exits_0_and_describes_every_option():
-    done = run_module("--help")
+    done = run_module("benchmarks.bench", "--help")
     assert done.returncode == 0, done.stderr
     for action in bench.build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help text"
@@ -94,7 +78,7 @@ def test_help_exits_0_and_describes_every_option():
 
 def test_without_cuda_it_exits_2_and_says_why():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = run_module("--only", "main", env=env)
+    done = run_module("benchmarks.bench", "--only", "main", env=env)
     assert done.returncode == 2
     assert done.stderr.startswith("usage: python -m benchmarks.bench")
     assert "needs a CUDA GPU" in done.stderr

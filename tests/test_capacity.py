@@ -9,9 +9,7 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -21,8 +19,8 @@ import torch.nn.functional as F
 from benchmarks import _plot, capacity, table
 from sdm_ops import sparse_delta_memory
 from sdm_ops.examples import mqar
+from tests.helpers import FakeClock, run_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # Two numbers of pairs, a few steps (15 for the new models, 10 more at 8 pairs): seconds on a
@@ -171,14 +169,6 @@ def test_parameter_counts_far_apart_are_refused():
         dataclasses.replace(TINY, keys_per_pair=0).check()
     with pytest.raises(ValueError, match="head_dim"):
         dataclasses.replace(TINY, factors=(4, 4, 4)).check()  # 16 is no multiple of 3
-
-
-class FakeClock:
-    def __init__(self, times):
-        self.times = list(times)
-
-    def __call__(self) -> float:
-        return self.times.pop(0)
 
 
 def test_sweep_progress_counts_the_whole_sweep_and_prices_each_model_apart():
@@ -359,17 +349,6 @@ def test_from_json_prints_the_table_and_plots_again(swept, tmp_path, capsys):
         assert (tmp_path / "again.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def run_module(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.capacity", *args],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit) as exit_info:
         capacity.main(["--help"])
@@ -387,6 +366,7 @@ def test_help_documents_every_option(capsys):
 def test_the_command_trains_and_writes_its_files(tmp_path):
     """The whole command on the smallest sweep: one number of pairs, two steps."""
     done = run_module(
+        "benchmarks.capacity",
         "--small",
         "--pairs",
         "3",

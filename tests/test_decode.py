@@ -17,10 +17,9 @@ from tests.helpers import (
     make_sdm_inputs,
     on_kernels,
     requires_kernels,
+    sdm_positional,
     to_float64,
 )
-
-ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 
 
 def _inputs(**kw):
@@ -32,7 +31,7 @@ def _inputs(**kw):
 
 def _oracle(a):
     a = to_float64({k: v.cpu() for k, v in a.items()})
-    return ref.sdm_token_reference(*(a.get(k) for k in ORDER))
+    return ref.sdm_token_reference(*sdm_positional(a))
 
 
 def _step(a, kernels: bool):
@@ -154,8 +153,6 @@ def test_decode_step_reference_equals_the_token_and_chunked_references():
     )
     big = _inputs(S=1 << 16, D=16, seed=8)
     out, bank = _step(big, False)
-    out_r, bank_r = ref.sdm_chunked_reference(
-        *(to_float64(big).get(k) for k in ORDER), chunk_size=16
-    )
+    out_r, bank_r = ref.sdm_chunked_reference(*sdm_positional(to_float64(big)), chunk_size=16)
     assert_close(out, out_r, rtol=1e-5, name="out (S = 65536)")
     assert_close(bank, bank_r, rtol=1e-5, name="bank (S = 65536)")

@@ -16,16 +16,9 @@ import pytest
 import torch
 
 from sdm_ops.examples import demo, mqar
+from tests.helpers import FakeClock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-class FakeClock:
-    def __init__(self, times):
-        self.times = list(times)
-
-    def __call__(self) -> float:
-        return self.times.pop(0)
 
 
 def test_progress_says_when_it_compiles_then_prints_on_time_not_on_steps():
@@ -69,6 +62,7 @@ def test_train_logs_every_step_at_interval_zero_and_ends_with_the_accuracy():
     """Three eager steps of a one-block model: the header, a line a step, the evaluation and
     the ``recall accuracy: <fraction>`` line last, whose value train returns."""
     lines = []
+    one_block = dict(d_model=32, layers=1, heads=1, head_dim=16, factors=(4, 4))
     acc = mqar.train(
         3,
         compile=False,
@@ -76,13 +70,9 @@ def test_train_logs_every_step_at_interval_zero_and_ends_with_the_accuracy():
         log_interval=0.0,
         eval_sequences=16,
         log=lines.append,
-        d_model=32,
-        layers=1,
-        heads=1,
-        head_dim=16,
-        factors=(4, 4),
         read_topk=2,
         write_topk=2,
+        **one_block,
     )
     assert lines[0].startswith("mqar: 8 pairs, 8 queries, T = 24") and "3 steps" in lines[0]
     steps = [line for line in lines if line.startswith("step ")]

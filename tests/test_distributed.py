@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 from sdm_ops.nn import SparseDeltaMemory
 from tests.distributed import RanksFailed, full_params, run_ranks, train_steps
-from tests.helpers import assert_close, requires_multi_gpu
+from tests.helpers import SMALL_LAYER, assert_close, requires_multi_gpu
 
 # Two ranks against one process: the same arithmetic but for the order of float32 sums (the
 # loss's mean over two halves, each weight gradient's and the shared bank's sum over the batch
@@ -43,12 +43,7 @@ class Stack(nn.Module):
         self.inp = nn.Linear(D_MODEL, D_MODEL)
         self.memories = nn.ModuleList(
             SparseDeltaMemory(
-                D_MODEL,
-                heads=2,
-                head_dim=16,
-                factors=(4, 8),
-                read_topk=3,
-                write_topk=2,
+                **dict(SMALL_LAYER, d_model=D_MODEL, factors=(4, 8)),
                 use_decay=i % 2 == 0,
                 chunk_size=16,
             )

@@ -22,11 +22,9 @@ from tests.helpers import (
     on_kernels,
     requires_kernels,
 )
-from tests.oracle import oracle_with_grads
+from tests.oracle import FLOATS, oracle_with_grads
 
 pytestmark = requires_kernels
-
-FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 
 
 class _Dispatched(TorchDispatchMode):

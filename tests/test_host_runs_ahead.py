@@ -16,12 +16,12 @@ import torch
 import sdm_ops
 from sdm_ops.nn import SparseDeltaMemory
 from tests.helpers import make_packed_sdm_inputs, make_sdm_inputs, make_wy_inputs, requires_cuda
+from tests.oracle import FLOATS
 
 pytestmark = list(requires_cuda)
 
 SLEEP_S = 0.1  # how long the stream is held busy
 HOST_SHARE = 0.2  # the most of it a call may take on the host
-FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 
 
 @pytest.fixture(scope="module")

@@ -274,41 +274,17 @@ for module, name, sig, consts, options in json.load(sys.stdin):
 print(json.dumps(result))
 """
 
+# Phase 1's per-entry outputs (``Prepared`` after A and QK): gather and scatter weights, row
+# decays and ranks.
+_LAYOUT = ("gather_w", "gather_r", "scatter_w", "row_decay", "rank", "read_rank")
 # What each kernel writes (its outputs and scratch); every other tensor argument is read only.
 _OUTPUTS = {
     "_bank_copy_kernel": {"dst"},
     "_first_writes_kernel": {"first"},
-    "_chunk_prepare_kernel": {
-        "A",
-        "QK",
-        "gather_w",
-        "gather_r",
-        "scatter_w",
-        "row_decay",
-        "rank",
-        "read_rank",
-    },
+    "_chunk_prepare_kernel": {"A", "QK", *_LAYOUT},
     "_chunk_prepare_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
-    "_chunk_sort_kernel": {
-        "gather_w",
-        "gather_r",
-        "scatter_w",
-        "row_decay",
-        "rank",
-        "read_rank",
-        "shared_count",
-        "compact",
-    },
-    "_chunk_pairs_kernel": {
-        "A",
-        "QK",
-        "gather_w",
-        "gather_r",
-        "scatter_w",
-        "row_decay",
-        "rank",
-        "read_rank",
-    },
+    "_chunk_sort_kernel": {*_LAYOUT, "shared_count", "compact"},
+    "_chunk_pairs_kernel": {"A", "QK", *_LAYOUT},
     "_chunk_sort_bwd_kernel": {"d_write_w", "d_decay", "d_read_w", "shared_count", "compact"},
     "_chunk_pairs_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
     "_recurrence_fwd_kernel": {

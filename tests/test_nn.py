@@ -9,27 +9,17 @@ import pytest
 import torch
 
 from sdm_ops.nn import SparseDeltaMemory
-from tests.helpers import assert_close
+from tests.helpers import SMALL_LAYER, assert_close
 
 RTOL = 1e-5  # the same recurrence split differently: float32 rounding
 B, T, D_MODEL = 2, 37, 32
+OPTIONS = dict(SMALL_LAYER, d_model=D_MODEL, chunk_size=16)  # the layer of most tests
 
 
 def make_layer(seed: int = 0, **kwargs) -> SparseDeltaMemory:
     """A small layer; ``factors (4, 4)`` gives 16 slots, so tokens often share slots (and
     decay and overwrite what earlier tokens wrote). The initial bank is random, not zeros."""
-    opts = (
-        dict(
-            d_model=D_MODEL,
-            heads=2,
-            head_dim=16,
-            factors=(4, 4),
-            read_topk=3,
-            write_topk=2,
-            chunk_size=16,
-        )
-        | kwargs
-    )
+    opts = OPTIONS | kwargs
     torch.manual_seed(seed)
     layer = SparseDeltaMemory(**opts)
     with torch.no_grad():
@@ -152,45 +142,33 @@ def test_decay_off_equals_decay_of_one():
 
 
 @pytest.mark.parametrize(
-    "option, value",
+    "option, value, error",
     [
-        ("d_model", 0),
-        ("heads", 0),
-        ("head_dim", 24),
-        ("factors", ()),
-        ("factors", (4, 5000)),
-        ("factors", (2048, 1024)),
-        ("read_topk", 0),
-        ("read_topk", 65),
-        ("write_topk", 0),
-        ("write_topk", 100),
-        ("chunk_size", 48),
-        ("snapshot", "fp16"),
-        ("key_dim", 0),
+        ("d_model", 0, ValueError),
+        ("heads", 0, ValueError),
+        ("head_dim", 24, ValueError),
+        ("factors", (), ValueError),
+        ("factors", (4, 5000), ValueError),
+        ("factors", (2048, 1024), ValueError),
+        ("read_topk", 0, ValueError),
+        ("read_topk", 65, ValueError),
+        ("write_topk", 0, ValueError),
+        ("write_topk", 100, ValueError),
+        ("chunk_size", 48, ValueError),
+        ("snapshot", "fp16", ValueError),
+        ("key_dim", 0, ValueError),
+        # Of the wrong type:
+        ("heads", 2.0, TypeError),
+        ("factors", 16, TypeError),
+        ("read_topk", True, TypeError),
+        ("use_decay", 1, TypeError),
     ],
 )
-def test_bad_option_raises_value_error_naming_it(option, value):
-    opts = dict(
-        d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3, write_topk=2
-    ) | {option: value}
-    with pytest.raises(ValueError, match=option):
-        SparseDeltaMemory(**opts)
-
-
-@pytest.mark.parametrize(
-    "option, value",
-    [
-        ("heads", 2.0),
-        ("factors", 16),
-        ("read_topk", True),
-        ("use_decay", 1),
-    ],
-)
-def test_option_of_wrong_type_raises_type_error_naming_it(option, value):
-    opts = dict(
-        d_model=D_MODEL, heads=2, head_dim=16, factors=(4, 4), read_topk=3, write_topk=2
-    ) | {option: value}
-    with pytest.raises(TypeError, match=option):
+def test_bad_option_raises_naming_it(option, value, error):
+    """A bad value raises ValueError, a value of the wrong type TypeError; either names the
+    option."""
+    opts = dict(SMALL_LAYER, d_model=D_MODEL) | {option: value}
+    with pytest.raises(error, match=option):
         SparseDeltaMemory(**opts)
 
 
@@ -322,15 +300,7 @@ def test_cu_seqlens_as_a_list_raises_type_error_naming_it(with_state):
 
 def test_a_layer_on_the_meta_device_gives_meta_outputs_of_the_right_shapes():
     with torch.device("meta"):
-        layer = SparseDeltaMemory(
-            d_model=D_MODEL,
-            heads=2,
-            head_dim=16,
-            factors=(4, 4),
-            read_topk=3,
-            write_topk=2,
-            chunk_size=16,
-        )
+        layer = SparseDeltaMemory(**OPTIONS)
         x = torch.empty(B, T, D_MODEL)
     y, state = layer(x, return_state=True)
     assert y.is_meta and state.is_meta

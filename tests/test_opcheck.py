@@ -45,14 +45,17 @@ from sdm_ops.reference import (
 )
 from tests.helpers import (
     HAS_CUDA,
+    SDM_ORDER,
     assert_close,
     make_packed_sdm_inputs,
     make_raw,
     make_sdm_inputs,
     make_wy_inputs,
     requires_cuda,
+    sdm_positional,
     to_float64,
 )
+from tests.oracle import FLOATS
 
 FAILURES_DICT = os.path.join(os.path.dirname(__file__), "opcheck_failures.json")
 RTOL = 1e-5  # float32 against float64 (the numerical contract)
@@ -593,10 +596,6 @@ def test_opcheck_product_key_topk_backward(device, factors, k, dtype):
     opcheck(ops.product_key_topk_backward, (lin, grad_val, list(factors), dtype))
 
 
-SDM_ORDER = ("v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay")
-SDM_FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
-
-
 def sdm_operands(
     device, *, packed=False, shared=False, layout="contiguous", T=21, requires_grad=False
 ) -> tuple[tuple, dict]:
@@ -616,49 +615,34 @@ def sdm_operands(
     if layout == "permuted":
         a = permuted_sdm_args(a)
     if requires_grad:
-        a = {k: t.requires_grad_() if k in SDM_FLOATS else t for k, t in a.items()}
-    return tuple(a[k] for k in SDM_ORDER), extra
+        a = {k: t.requires_grad_() if k in FLOATS else t for k, t in a.items()}
+    return tuple(sdm_positional(a)), extra
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
-    "packed,shared,snapshot,final",
+    "packed,shared,requires_grad,options",
     [
-        (False, False, "none", True),
-        (False, True, "int4", True),
-        (True, False, "fp8", True),
-        (False, False, "bf16", False),
-        (False, True, "none", False),
-        (True, True, "none", False),
+        # Keeping what the backward reads: the float inputs require grad.
+        (False, False, True, dict(snapshot="none", output_final_state=True)),
+        (False, True, True, dict(snapshot="int4", output_final_state=True)),
+        (True, False, True, dict(snapshot="fp8", output_final_state=True)),
+        (False, False, True, dict(snapshot="bf16", output_final_state=False)),
+        (False, True, True, dict(snapshot="none", output_final_state=False)),
+        (True, True, True, dict(snapshot="none", output_final_state=False)),
+        # The inference forward: nothing kept.
+        (False, False, False, dict(keep_for_backward=False, output_final_state=True)),
+        (False, True, False, dict(keep_for_backward=False, output_final_state=True)),
+        (True, False, False, dict(keep_for_backward=False, output_final_state=True)),
+        (False, True, False, dict(keep_for_backward=False, output_final_state=False)),
     ],
 )
-def test_opcheck_sparse_delta_memory_keeping_for_backward(
-    device, layout, packed, shared, snapshot, final
-):
+def test_opcheck_sparse_delta_memory(device, layout, packed, shared, requires_grad, options):
     args, extra = sdm_operands(
-        device, packed=packed, shared=shared, layout=layout, requires_grad=True
+        device, packed=packed, shared=shared, layout=layout, requires_grad=requires_grad
     )
-    opcheck(
-        ops.sparse_delta_memory,
-        args,
-        dict(extra, chunk_size=16, snapshot=snapshot, output_final_state=final),
-    )
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize(
-    "packed,shared,final",
-    [(False, False, True), (False, True, True), (True, False, True), (False, True, False)],
-)
-def test_opcheck_sparse_delta_memory_inference(device, layout, packed, shared, final):
-    args, extra = sdm_operands(device, packed=packed, shared=shared, layout=layout)
-    opcheck(
-        ops.sparse_delta_memory,
-        args,
-        dict(extra, chunk_size=16, keep_for_backward=False, output_final_state=final),
-    )
+    opcheck(ops.sparse_delta_memory, args, dict(extra, chunk_size=16, **options))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -789,16 +773,7 @@ def test_opcheck_decode_step(device, decay):
     a = make_sdm_inputs(3, 1, 2, 32, 5, 6, 4, seed=31, decay=decay, shared=False, device=device)
     opcheck(
         ops.decode_step_,
-        (
-            a["bank"].clone(),
-            a["v"],
-            a["beta"],
-            a["write_idx"],
-            a["write_w"],
-            a["read_idx"],
-            a["read_w"],
-            a.get("decay"),
-        ),
+        (a["bank"].clone(), *(a.get(k) for k in SDM_ORDER if k != "bank")),
     )
 
 

@@ -23,11 +23,13 @@ from sdm_ops.ops import KEPT_FOR_BACKWARD
 from tests.helpers import (
     HAS_CUDA,
     KERNEL_DEVICE,
+    SMALL_LAYER,
     assert_close,
     make_packed_sdm_inputs,
     make_sdm_inputs,
     on_kernels,
     requires_kernels,
+    sdm_positional,
 )
 from tests.oracle import (
     FLOATS,
@@ -40,7 +42,6 @@ from tests.oracle import (
     snapshot_gradient_bounds,
 )
 
-ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 RTOL = 1e-5  # the float32 contract: relative to max(|expected|, 1)
 BACKENDS = [
     pytest.param(False, id="cpu_operators"),
@@ -109,7 +110,7 @@ def test_oracle_agrees_with_the_packages_token_reference(shared):
     """Two implementations of the definition written apart agree (to float64 rounding)."""
     a = float64_args(make_sdm_inputs(T=21, S=5, W=4, R=3, shared=shared, seed=40))
     run = sdm_oracle(a)
-    out, bank = ref.sdm_token_reference(*(a.get(k) for k in ORDER))
+    out, bank = ref.sdm_token_reference(*sdm_positional(a))
     assert_close(run.out, out, rtol=1e-13, name="out")
     assert_close(run.bank, bank, rtol=1e-13, name="bank")
 
@@ -465,7 +466,7 @@ def test_snapshot_rows_and_the_gradients_stay_within_the_documented_per_group_bo
     g_out, g_bank = g_out / COLUMN_SCALE, g_bank / COLUMN_SCALE
     with _backend(kernels):
         out, bank, kept = torch.ops.sdm.sparse_delta_memory(
-            *(dict(a, **leaves).get(k) for k in ORDER),
+            *sdm_positional(dict(a, **leaves)),
             chunk_size=chunk_size,
             snapshot=mode,
             output_final_state=True,
@@ -587,16 +588,7 @@ def test_layer_matches_a_float64_composition_of_its_parts(kernels, variant):
 
     device = KERNEL_DEVICE if kernels else "cpu"
     torch.manual_seed(80)
-    layer = SparseDeltaMemory(
-        d_model=32,
-        heads=2,
-        head_dim=16,
-        factors=(4, 4),
-        read_topk=3,
-        write_topk=2,
-        use_decay=variant != "no_decay",
-        chunk_size=16,
-    )
+    layer = SparseDeltaMemory(**SMALL_LAYER, use_decay=variant != "no_decay", chunk_size=16)
     with torch.no_grad():
         layer.bank.normal_()
     layer = layer.to(device)

@@ -359,15 +359,22 @@ def test_cpu_path_product_space_far_beyond_memory():
     assert torch.equal(val.max(-1).values, recomputed_scores(raw, best[:, None], factors)[:, 0])
 
 
+def given_topk_cases(*, max_factor: int, max_factors: int, max_k: int):
+    """Hypothesis' ``@given`` of the property tests: up to 4 rows of scores of 1 to
+    ``max_factors`` factors of 1 to ``max_factor`` columns, k from 1 to ``max_k``, every dtype
+    and kind of scores (random, tied, special values) and any seed."""
+    return given(
+        factors=st.lists(st.integers(1, max_factor), min_size=1, max_size=max_factors),
+        k=st.integers(1, max_k),
+        rows=st.integers(0, 4),
+        dtype=st.sampled_from(DTYPES),
+        kind=st.sampled_from(["randn", "ties", "special"]),
+        seed=st.integers(0, 2**31 - 1),
+    )
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    factors=st.lists(st.integers(1, 9), min_size=1, max_size=4),
-    k=st.integers(1, 256),
-    rows=st.integers(0, 4),
-    dtype=st.sampled_from(DTYPES),
-    kind=st.sampled_from(["randn", "ties", "special"]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given_topk_cases(max_factor=9, max_factors=4, max_k=256)
 def test_property_cpu_path_equals_bruteforce(factors, k, rows, dtype, kind, seed):
     assert_same_topk(make_raw((rows,), factors, dtype, kind, seed), factors, k, run=cpu_topk)
 
@@ -553,14 +560,7 @@ def test_bad_raw_scalar_raises():
 
 @requires_kernels
 @settings(max_examples=25, deadline=None)
-@given(
-    factors=st.lists(st.integers(1, 12), min_size=1, max_size=3),
-    k=st.integers(1, 48),
-    rows=st.integers(0, 4),
-    dtype=st.sampled_from(DTYPES),
-    kind=st.sampled_from(["randn", "ties", "special"]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given_topk_cases(max_factor=12, max_factors=3, max_k=48)
 def test_property_kernel_equals_reference(factors, k, rows, dtype, kind, seed):
     assert_same_topk(make_raw((rows,), factors, dtype, kind, seed), factors, k)
 

@@ -22,8 +22,6 @@ from tests.oracle import float64_args, sdm_oracle
 
 pytestmark = requires_kernels
 
-ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
-
 
 def _oracle(a):
     """(out, final state) of the float64 token-by-token oracle."""
@@ -192,6 +190,19 @@ def test_out_of_range_indices_are_rejected_in_eager_mode_with_strict_checks():
             _run(b)
 
 
+def _phase1(x, C):
+    """Phase 1 of ``x`` at chunk size ``C`` through the operators, and what phase 2 takes
+    before it: ``(v, beta, write_idx, read_idx)``, ``chunk_prepare``'s outputs, and the WY
+    solve's X and QX in the shape of A [B, H, N, C, C]."""
+    S = x["bank"].shape[-2]
+    prep = ops.chunk_prepare(
+        x["write_idx"], x["write_w"], x["read_idx"], x["read_w"], x["decay"], S, C
+    )
+    X, QX = ops.wy_solve(prep[0].view(-1, C, C), _chunk_betas(x["beta"], C), prep[1].view(-1, C, C))
+    lead = (x["v"], x["beta"], x["write_idx"], x["read_idx"])
+    return lead, prep, X.view(prep[0].shape), QX.view(prep[0].shape)
+
+
 def test_kernels_mask_out_of_range_indices_as_padding():
     """The operators (what compiled and captured code runs) never touch rows outside [0, S):
     an out-of-range index behaves exactly like -1."""
@@ -204,22 +215,8 @@ def test_kernels_mask_out_of_range_indices_as_padding():
 
     def run_ops(x):
         with on_kernels(), torch.no_grad():
-            prep = ops.chunk_prepare(
-                x["write_idx"], x["write_w"], x["read_idx"], x["read_w"], x["decay"], S, C
-            )
-            betas = _chunk_betas(x["beta"], C)
-            X, QX = ops.wy_solve(prep[0].view(-1, C, C), betas, prep[1].view(-1, C, C))
-            return ops.recurrence_fwd(
-                x["v"],
-                x["beta"],
-                x["write_idx"],
-                x["read_idx"],
-                *prep[2:8],
-                X.view(prep[0].shape),
-                QX.view(prep[0].shape),
-                x["bank"],
-                "none",
-            )[:2]
+            lead, prep, X, QX = _phase1(x, C)
+            return ops.recurrence_fwd(*lead, *prep[2:8], X, QX, x["bank"], "none")[:2]
 
     bank = a["bank"].clone()
     out, new_bank = run_ops(a)
@@ -238,12 +235,7 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
     a = _inputs(T=37, S=20, seed=21, shared=shared)
     S, C = a["bank"].shape[-2], 16
     with on_kernels(), torch.no_grad():
-        prep = ops.chunk_prepare(
-            a["write_idx"], a["write_w"], a["read_idx"], a["read_w"], a["decay"], S, C
-        )
-        X, QX = ops.wy_solve(
-            prep[0].view(-1, C, C), _chunk_betas(a["beta"], C), prep[1].view(-1, C, C)
-        )
+        lead, prep, X, QX = _phase1(a, C)
         first = torch.zeros(4, S, dtype=torch.int32, device=KERNEL_DEVICE)
         bank_copy.first_writes(a["write_idx"], C, None, None, first)
         written = (first != bank_copy.UNWRITTEN).view(2, 2, S, 1)
@@ -252,13 +244,10 @@ def test_phase2_from_a_source_bank_reads_no_row_of_the_bank_it_writes(shared, ph
         bank = torch.where(written.cpu(), float("nan"), other).to(KERNEL_DEVICE)
         out = torch.empty_like(a["v"])
         recurrence_fwd.recurrence_fwd(
-            a["v"],
-            a["beta"],
-            a["write_idx"],
-            a["read_idx"],
+            *lead,
             *prep[2:7],
-            X.view(prep[0].shape),
-            QX.view(prep[0].shape),
+            X,
+            QX,
             bank,
             out,
             None,

@@ -4,34 +4,15 @@ import pytest
 import torch
 
 from sdm_ops import reference as ref
-from tests.helpers import assert_close, make_sdm_inputs, to_float64
+from tests.helpers import assert_close, make_sdm_inputs, sdm_positional, to_float64
 
 
 def _token(a):
-    return ref.sdm_token_reference(
-        a["v"],
-        a["beta"],
-        a["write_idx"],
-        a["write_w"],
-        a["read_idx"],
-        a["read_w"],
-        a["bank"],
-        a.get("decay"),
-    )
+    return ref.sdm_token_reference(*sdm_positional(a))
 
 
 def _chunked(a, c):
-    return ref.sdm_chunked_reference(
-        a["v"],
-        a["beta"],
-        a["write_idx"],
-        a["write_w"],
-        a["read_idx"],
-        a["read_w"],
-        a["bank"],
-        a.get("decay"),
-        chunk_size=c,
-    )
+    return ref.sdm_chunked_reference(*sdm_positional(a), chunk_size=c)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 16, 64])

@@ -27,8 +27,8 @@ from tests.helpers import (
     requires_cuda,
     requires_kernels,
 )
+from tests.oracle import FLOATS
 
-FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 S = 11
 # (write entry, read entry) values outside [0, S): just past the bank, far past it, the
 # int32 extremes, below -1.

@@ -18,10 +18,9 @@ from tests.helpers import (
     requires_cuda,
     requires_kernels,
     requires_multi_gpu,
+    sdm_positional,
     to_float64,
 )
-
-ORDER = ["v", "beta", "write_idx", "write_w", "read_idx", "read_w", "bank", "decay"]
 
 
 def _args(**kw):
@@ -112,7 +111,7 @@ def test_too_many_entries_per_token_is_rejected():
 
 
 def _oracle(a):
-    return ref.sdm_token_reference(*(to_float64(a).get(k) for k in ORDER))
+    return ref.sdm_token_reference(*sdm_positional(to_float64(a)))
 
 
 @pytest.mark.parametrize(
@@ -147,7 +146,7 @@ def test_nan_and_inf_values_propagate_without_a_crash(kernels):
     out, bank = out.double().cpu(), bank.double().cpu()
     # The chunked reference: sparse gathers, like the kernels (the token-by-token one works on
     # dense keys, where 0 * inf spreads NaN to every slot).
-    out_r, bank_r = ref.sdm_chunked_reference(*(to_float64(a).get(k) for k in ORDER), chunk_size=16)
+    out_r, bank_r = ref.sdm_chunked_reference(*sdm_positional(to_float64(a)), chunk_size=16)
     assert_close(out[:, :16], out_r[:, :16], rtol=1e-5, name="the chunk before the NaN")
     assert out[:, 20:].isnan().any()
     assert torch.equal(out.isnan(), out_r.isnan())

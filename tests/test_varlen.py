@@ -21,6 +21,7 @@ from tests.helpers import (
     make_packed_sdm_inputs,
     on_kernels,
     requires_kernels,
+    sdm_positional,
 )
 from tests.oracle import oracle_with_grads
 
@@ -331,14 +332,7 @@ def test_kernels_strided_cu_seqlens_equals_contiguous(dtype):
         )
         bank = a["bank"].clone()
         out_ = sdm_ops.sparse_delta_memory_(
-            a["v"],
-            a["beta"],
-            a["write_idx"],
-            a["write_w"],
-            a["read_idx"],
-            a["read_w"],
-            bank,
-            a["decay"],
+            *sdm_positional(dict(a, bank=bank)),
             chunk_size=16,
             cu_seqlens=every_other,
         )

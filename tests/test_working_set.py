@@ -17,6 +17,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 import sdm_ops
 from sdm_ops import recurrence, working_set
+from tests.oracle import FLOATS
 
 from .helpers import (
     KERNEL_DEVICE,
@@ -26,8 +27,6 @@ from .helpers import (
     requires_cuda,
     requires_kernels,
 )
-
-FLOATS = ("v", "beta", "write_w", "read_w", "bank", "decay")
 
 
 def _loop_rows(write_idx, read_idx, S, streams_of_token):

@@ -27,18 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="PYTHONPATH=. python tools/ptxas_report.py", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
+        "--triton",
+        metavar="DIR",
+        help="compile with the Triton installed in DIR (pip install --target DIR triton==X), "
+        "and its ptxas: the GPU's own compiler where it differs from this one",
+    )
+    parser.add_argument(
         "chunk_size",
         nargs="?",
         type=int,
         default=64,
         metavar="CHUNK_SIZE",
         help="the recurrence's chunk (default 64, the reference workload's)",
-    )
-    parser.add_argument(
-        "--triton",
-        metavar="DIR",
-        help="compile with the Triton installed in DIR (pip install --target DIR triton==X), "
-        "and its ptxas: the GPU's own compiler where it differs from this one",
     )
     return parser
 

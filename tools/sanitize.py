@@ -202,46 +202,17 @@ def kernels(device: torch.device, eager: bool = True):
     return contextlib.nullcontext()
 
 
-def sdm(
-    v,
-    beta,
-    write_idx,
-    write_w,
-    read_idx,
-    read_w,
-    bank,
-    decay=None,
-    snapshot="none",
-    cu_seqlens=None,
-):
-    return sparse_delta_memory(
-        v,
-        beta,
-        write_idx,
-        write_w,
-        read_idx,
-        read_w,
-        bank,
-        decay,
-        chunk_size=CHUNK,
-        snapshot=snapshot,
-        cu_seqlens=cu_seqlens,
-        output_final_state=True,
-    )
+def sdm(**args):
+    """``sparse_delta_memory`` of ``args`` (``make_inputs``' names, ``snapshot``) at chunk size
+    CHUNK, with the final state: what the eager cases call and the compiled ones compile."""
+    return sparse_delta_memory(**args, chunk_size=CHUNK, output_final_state=True)
 
 
-def sdm_inplace(bank, v, beta, write_idx, write_w, read_idx, read_w, decay=None, cu_seqlens=None):
+def sdm_inplace(bank, *sequence, cu_seqlens=None):
+    """``sparse_delta_memory_`` at chunk size CHUNK of ``bank``, then the tensors SEQUENCE
+    names, in its order: what the in-place and CUDA graph cases call and compile."""
     return sparse_delta_memory_(
-        v,
-        beta,
-        write_idx,
-        write_w,
-        read_idx,
-        read_w,
-        bank,
-        decay,
-        chunk_size=CHUNK,
-        cu_seqlens=cu_seqlens,
+        **dict(zip(SEQUENCE, sequence)), bank=bank, chunk_size=CHUNK, cu_seqlens=cu_seqlens
     )
 
 
@@ -332,11 +303,16 @@ INFERENCE_CONFIGS = ((F32, None, True, False, I64), (BF16, None, False, True, I3
 
 
 def padded_comparison(
-    a: dict, seed: int, device: torch.device, eager: bool, call: Callable[[dict], dict[str, Tensor]]
+    inputs: dict,
+    seed: int,
+    device: torch.device,
+    eager: bool,
+    call: Callable[[dict], dict[str, Tensor]],
 ) -> str:
-    """``call`` on ``a`` with out-of-range indices mixed in (unchecked when ``eager``) and on the
-    same indices padded with -1 instead; every result must be bitwise equal."""
-    bad, padded, count = with_out_of_range(a, seed)
+    """``call`` on ``make_inputs(**inputs, seed=seed)`` with out-of-range indices mixed in
+    (unchecked when ``eager``) and on the same indices padded with -1 instead; every result
+    must be bitwise equal."""
+    bad, padded, count = with_out_of_range(make_inputs(**inputs, seed=seed), seed)
     bad, padded = to_device(bad, device), to_device(padded, device)
     with kernels(device, eager):
         with unchecked() if eager else contextlib.nullcontext():
@@ -352,22 +328,15 @@ def functional_case(
     """``fn`` (``sdm`` when ``eager``, else a compiled ``sdm``) forward and backward on bad
     indices and on the padded ones."""
     dtype, snapshot, decay, shared, index_dtype = config
+    inputs = dict(dtype=dtype, decay=decay, shared=shared, index_dtype=index_dtype, varlen=varlen)
 
     def run() -> str:
-        a = make_inputs(
-            dtype=dtype,
-            decay=decay,
-            shared=shared,
-            index_dtype=index_dtype,
-            seed=seed,
-            varlen=varlen,
-        )
         banks = len(CU_SEQLENS) - 1 if varlen else B
         g = torch.Generator().manual_seed(20_000 + seed)
         g_out = torch.randn(B, T, H, D, generator=g).to(device)
         g_bank = torch.randn(banks, H, S, D, generator=g).to(device)
         return padded_comparison(
-            a, seed, device, eager, lambda x: forward_backward(fn, x, snapshot, g_out, g_bank)
+            inputs, seed, device, eager, lambda x: forward_backward(fn, x, snapshot, g_out, g_bank)
         )
 
     return run
@@ -378,18 +347,11 @@ def inplace_case(
 ) -> Callable[[], str]:
     """``fn`` (``sdm_inplace`` or a compiled one) on bad indices and on the padded ones."""
     dtype, decay, index_dtype = config
+    inputs = dict(dtype=dtype, decay=decay, shared=False, index_dtype=index_dtype, varlen=varlen)
 
     def run() -> str:
-        a = make_inputs(
-            dtype=dtype,
-            decay=decay,
-            shared=False,
-            index_dtype=index_dtype,
-            seed=seed,
-            varlen=varlen,
-        )
         with torch.no_grad():
-            return padded_comparison(a, seed, device, eager, lambda x: inplace(fn, x))
+            return padded_comparison(inputs, seed, device, eager, lambda x: inplace(fn, x))
 
     return run
 
@@ -399,17 +361,10 @@ def inference_case(
 ) -> Callable[[], str]:
     """The eager ``sdm`` without autograd on bad indices and on the padded ones."""
     dtype, _, decay, shared, index_dtype = config
+    inputs = dict(dtype=dtype, decay=decay, shared=shared, index_dtype=index_dtype, varlen=varlen)
 
     def run() -> str:
-        a = make_inputs(
-            dtype=dtype,
-            decay=decay,
-            shared=shared,
-            index_dtype=index_dtype,
-            seed=seed,
-            varlen=varlen,
-        )
-        return padded_comparison(a, seed, device, True, lambda x: inference(sdm, x))
+        return padded_comparison(inputs, seed, device, True, lambda x: inference(sdm, x))
 
     return run
 
