@@ -205,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"plot ({_plot.INSTALL_HINT}).\n"
         f"--small: pairs {' '.join(map(str, s.pairs))}, d_model {s.d_model}, "
         f"{s.heads} heads of {s.head_dim},\nfactors {' '.join(map(str, s.factors))}, "
-        f"top-{s.topk}, {2 * s.steps} steps new then {s.steps}: SMALL_TIME on 2 CPU cores\n"
-        "(the README says how it was measured), most of it the dense layer's full\n"
-        "addressing on the CPU reference path.\n"
+        f"top-{s.topk}, {2 * s.steps} steps new then {s.steps}: the sweep's code at a size a\n"
+        "CPU manages, too short to learn recall; 16 minutes on 2 CPU cores shared with\n"
+        "other work, most of it the dense layer's full addressing on the CPU reference path.\n"
         "On a GPU, float32 matmuls run in TF32 (torch.set_float32_matmul_precision)."
     )
     parser = command_parser(PROG, __doc__, epilog)

@@ -10,6 +10,7 @@ its help.
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 # The recall accuracy the demo and python -m sdm_ops.examples.mqar must reach.
 TARGET_ACCURACY = 0.95
@@ -89,3 +90,18 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, without breaking a hyphenated word ("multi-query") across
+    lines, whatever the terminal's width."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(
+            text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from sdm_ops._cli import TARGET_ACCURACY, add_training_options, positive_int
+from sdm_ops._cli import TARGET_ACCURACY, HelpFormatter, add_training_options, positive_int
 
 
 def _check(name: str, ok: bool, detail: str) -> bool:
@@ -29,6 +29,7 @@ def _check(name: str, ok: bool, detail: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m sdm_ops.demo",
         description="Check sdm_ops' operators on a key-value storage example (product-key "
         "top-k addressing, the sparse delta memory recurrence, the WY solve; each "

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sdm_ops._cli import STEPS, TARGET_ACCURACY, add_training_options, default_device
+from sdm_ops._cli import STEPS, TARGET_ACCURACY, HelpFormatter, add_training_options, default_device
 
 IGNORE = -100
 
@@ -86,10 +86,11 @@ class MQARTask:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m sdm_ops.examples.mqar",
-        description="Train the small SparseDeltaMemory model of sdm_ops.examples.mqar on "
-        f"multi-query "
-        f"associative recall ({MQARTask.num_pairs} key-value pairs, then "
+        description="Train a small model with SparseDeltaMemory layers (MQARModel) on "
+        f"multi-query associative recall ({MQARTask.num_pairs} key-value pairs drawn from "
+        f"{MQARTask.num_keys} keys, then "
         f"{MQARTask.num_queries} of the keys again; the model answers each with its "
         f"value) and print its recall accuracy on held-out sequences. Progress: a "
         f"line when compiling starts and ends, then a line every few seconds with "
