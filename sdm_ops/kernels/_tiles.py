@@ -21,18 +21,6 @@ def dense_chunk(n, p, T, H, C: tl.constexpr):
 
 
 @triton.jit
-def chunk_span(chunks, n, p, T, H, C: tl.constexpr, VARLEN: tl.constexpr):
-    """(first token, token count) of chunk n of stream p: from a packed batch's chunk table
-    ``chunks`` (``VARLEN``), else from the dense layout (``dense_chunk``)."""
-    if VARLEN:
-        tok0 = tl.load(chunks + 2 * n)
-        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
-    else:
-        tok0, count = dense_chunk(n, p, T, H, C)
-    return tok0, count
-
-
-@triton.jit
 def token_rows(tok0, h, H, count, i):
     """Rows of the chunk-local tokens ``i`` of a chunk starting at token ``tok0`` and holding
     ``count`` tokens, and which exist."""

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._tiles import bank_slots, chunk_span, entry_offsets, token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 
 BLOCK = 4096
 BOUNDED_BLOCK = 32768  # elements a step of a bounded copy's program (64-128 KB in flight an SM)
@@ -98,7 +98,11 @@ def _first_writes_kernel(
     first_p = first + p.to(tl.int64) * S
     ci = tl.arange(0, C)
     for n in range(lo + tl.program_id(1), hi, tl.num_programs(1)):
-        tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)
+        if VARLEN:
+            tok0 = tl.load(chunks + 2 * n)
+            count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+        else:
+            tok0, count = dense_chunk(n, p, T, H, C)
         tok, tok_ok = token_rows(tok0, h, H, count, ci)
         went, wm = entry_offsets(tok, tok_ok, W, WP)
         s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)

@@ -49,7 +49,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._common import chunk_grid, strided_grid
-from ._tiles import chunk_span, token_entries
+from ._tiles import dense_chunk, token_entries
 from .chunk_prepare_sparse import sparse_launch
 
 _NUM_WARPS = 4
@@ -115,7 +115,11 @@ def _prepare_chunk(
     VARLEN: tl.constexpr,
 ):
     h = p % H
-    tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     jj = j0 + tl.arange(0, BJ)  # own tokens (chunk-local)
     ow = tl.arange(0, WP)
     orr = tl.arange(0, RP)
@@ -388,7 +392,11 @@ def _prepare_chunk_bwd(
     VARLEN: tl.constexpr,
 ):
     h = p % H
-    tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     E: tl.constexpr = BJ * WP
     ER: tl.constexpr = BJ * RP
     e = tl.arange(0, E)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ._tiles import chunk_span, entry_position, slot_bucket
+from ._tiles import dense_chunk, entry_position, slot_bucket
 from .chunk_prepare_pairs import pairs_launch
 
 COMPACT = 32  # MC: the pairs kernel's window, the largest bucket it takes (a power of 2)
@@ -174,7 +174,11 @@ def _chunk_sort_kernel(
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)  # loaded here: see _tiles.bank_slots
+    if VARLEN:  # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     tok, is_read, j = entry_position(tl.arange(0, NP), EM)
     exists = (tok < count) & (j < tl.where(is_read, R, W))
     row = (tok0 + tok) * H + h
@@ -238,7 +242,11 @@ def _chunk_sort_bwd_kernel(
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)  # loaded here: see _tiles.bank_slots
+    if VARLEN:  # loaded here: see _tiles.bank_slots
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     tok, is_read, j = entry_position(tl.arange(0, NP), EM)
     exists = (tok < count) & (j < tl.where(is_read, R, W))
     row = (tok0 + tok) * H + h

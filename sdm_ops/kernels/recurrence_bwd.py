@@ -44,7 +44,7 @@ from torch.library import wrap_triton
 
 from ._common import chunk_grid
 from ._snapshot import BLOCK_D, SNAP_CODES, load_snapshot
-from ._tiles import bank_slots, chunk_span, dense_chunk, entry_offsets, snapshot_entries, token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 from .recurrence_fwd import recurrence_fwd_geometry
 
 _ROWS = 32
@@ -142,7 +142,11 @@ def _recurrence_bwd_kernel(
         )
     for nn in range(lo, hi):
         n = lo + hi - 1 - nn
-        tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)
+        if VARLEN:
+            tok0 = tl.load(chunks + 2 * n)
+            count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+        else:
+            tok0, count = dense_chunk(n, p, T, H, C)
         x_base = (tiles + n) * C * C
         if TB == C:
             # The whole chunk as one tile: ddelta and du stay in registers between the dots.
@@ -415,7 +419,11 @@ def _dual_matmul_bwd_kernel(
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     ci = tl.arange(0, C)
     tok, ok = token_rows(tok0, h, H, count, ci)
     bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)

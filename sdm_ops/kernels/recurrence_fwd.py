@@ -73,7 +73,7 @@ from torch.library import wrap_triton
 from .._finite import FLT_MAX as _FLT_MAX
 from ._common import chunk_grid, sm_count
 from ._snapshot import BLOCK_D, SNAP_CODES, store_token_rows
-from ._tiles import bank_slots, chunk_span, dense_chunk, entry_offsets, token_rows
+from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 
 _ROWS = 32  # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
@@ -232,7 +232,11 @@ def _recurrence_fwd_kernel(
         fs, fok = bank_slots(next_r, frm, S)
         next_fr = _first_chunks(first_p, fs, fok, SOURCE)
     for n in range(lo, hi):
-        tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)
+        if VARLEN:
+            tok0 = tl.load(chunks + 2 * n)
+            count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+        else:
+            tok0, count = dense_chunk(n, p, T, H, C)
         x_base = (tiles + n) * C * C
         if TB == C:
             # The whole chunk as one tile: gathered rows, u and delta stay in registers from
@@ -502,7 +506,11 @@ def _out_kernel(
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    tok0, count = chunk_span(chunks, n, p, T, H, C, VARLEN)
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
     ci = tl.arange(0, C)
     tok, ok = token_rows(tok0, h, H, count, ci)
     bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
