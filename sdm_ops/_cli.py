@@ -1,10 +1,10 @@
 """What the commands' argument parsers share, without torch.
 
-Every command (``python -m sdm_ops.demo``, ``.mqar``, ``.capacity``, ``.serve``, ``.bench``)
-parses its arguments before it imports torch and the operators, so that ``--help`` and a
-malformed option answer at once: a parser may use this module, ``layout`` and ``_plot``, which
-import no torch. ``sdm_ops/__init__.py`` loads nothing while Python locates a command to print
-its help.
+Every command (``python -m sdm_ops.demo``, ``sdm_ops.examples.mqar``, ``sdm_ops.serve``, and
+``benchmarks.capacity`` from the repository root) parses its arguments before it imports torch
+and the operators, so that ``--help`` and a malformed option answer at once: a parser may use
+this module and ``layout``, which import no torch. ``sdm_ops/__init__.py`` loads nothing while
+Python locates a command to print its help.
 """
 
 from __future__ import annotations

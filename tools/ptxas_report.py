@@ -108,8 +108,8 @@ def _launches(chunk_size: int = 64) -> list:
     each with and without autograd, the in-place forward and the decode step)."""
     calls: list = []
     # The operators take the kernel path on CPU tensors (nothing runs), in this call only: the
-    # flag is reset however the call ends, so that later work in the process (a test session)
-    # runs the CPU reference again.
+    # flag is reset however the call ends, so that later calls in the same process (the other
+    # tests of a pytest run) take the CPU reference again.
     token = _ON_CPU.set(True)
     try:
         _record_walks(calls, chunk_size)
