@@ -50,15 +50,19 @@ def _jit_function(obj):
 
 def launched_kernels(launcher: types.FunctionType | types.ModuleType) -> list[str]:
     """Names of the ``@triton.jit`` functions that ``launcher`` (a launcher function or a whole
-    kernel module) starts through ``wrap_triton(...)``, in source order, without repeats."""
-    names = re.findall(r"wrap_triton\(\s*(\w+)\s*\)", inspect.getsource(launcher))
+    kernel module) starts through ``wrap_triton(...)``, in source order, without repeats. The
+    argument may choose between kernels (``wrap_triton(a if c else b)``): each module-level
+    name in it that is a kernel (or an autotuner of one) counts."""
+    launches = re.findall(r"wrap_triton\(([^()]*)\)", inspect.getsource(launcher))
     scope = vars(launcher) if isinstance(launcher, types.ModuleType) else launcher.__globals__
     kernels = []
-    for name in names:
-        fn = _jit_function(scope.get(name))
-        assert fn is not None, f"{launcher.__name__} launches {name}, not a @triton.jit function"
-        if fn.__name__ not in kernels:
-            kernels.append(fn.__name__)
+    for launch in launches:
+        fns = [_jit_function(scope.get(name)) for name in re.findall(r"\w+", launch)]
+        fns = [fn for fn in fns if fn is not None]
+        assert fns, f"{launcher.__name__} launches {launch.strip()}, not a @triton.jit function"
+        for fn in fns:
+            if fn.__name__ not in kernels:
+                kernels.append(fn.__name__)
     assert kernels, f"found no wrap_triton launch in {launcher.__name__}"
     return kernels
 

@@ -86,12 +86,16 @@ def _recording(calls: list, run: bool = True):
 
 def _signature(kernel, args, kwargs):
     """(module, name, signature, constexprs, options) of one launch, as JSON-able values."""
-    fn = kernel.fn if hasattr(kernel, "fn") else kernel
+    fn = kernel
+    while hasattr(fn, "fn"):  # an autotuner's JITFunction, a JITFunction's Python function
+        fn = fn.fn
     code = fn.__code__
     names = list(code.co_varnames[: code.co_argcount])
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
     options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    for config in getattr(kernel, "configs", ()):  # a one-config autotuner: its launch options
+        options.update(num_warps=config.num_warps, maxnreg=config.maxnreg)
     constexpr = {n for n, ann in fn.__annotations__.items() if "constexpr" in str(ann)}
     sig, consts = {}, {}
     for name in names:

@@ -165,6 +165,48 @@ def test_forwards_without_a_snapshot_form_out_in_the_walk_or_after_it(sms, monke
         assert_close(got, want, rtol=1e-5, name=name)
 
 
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16])
+def test_capped_walks_give_the_uncapped_results(bank_dtype, monkeypatch):
+    """Where the walk's programs outnumber the SMs, the functional forwards' walks run capped
+    at one wave, and the capped training walk (over a bfloat16 bank) leaves out to
+    ``_out_kernel`` (``walk_capped``); the in-place walk and the training walk over a float32
+    bank are never capped. With 0 SMs (capped) and 1000 (not), the final bank and every
+    gradient are bitwise equal, and out equal to float32 rounding (tf32x3 after the walk, a
+    full float32 dot in it)."""
+    from sdm_ops.kernels import recurrence_fwd as kf
+
+    device = torch.device(KERNEL_DEVICE)
+    a = _inputs(B=2, T=45, H=2, D=32, W=4, R=3, S=12, bank_dtype=bank_dtype, seed=41)
+    names = ("v", "beta", "write_w", "read_w", "bank", "decay")
+    g_out = torch.randn(a["v"].shape, generator=torch.Generator().manual_seed(1)).to(device)
+    real = kf.wrap_triton
+    runs = {}
+    for sms in (0, 1000):
+        monkeypatch.setattr(kf, "_WALK_SMS", sms)
+        many = sms == 0  # 4 streams of 32 columns: 8 programs
+        bf16 = bank_dtype == torch.bfloat16
+        assert kf.walk_capped(4, 32, "none", True, bank_dtype, device) == (many and bf16)
+        assert kf.walk_capped(4, 32, None, True, bank_dtype, device) == many
+        assert not kf.walk_capped(4, 32, None, False, bank_dtype, device)  # in place
+        launched = []
+        monkeypatch.setattr(kf, "wrap_triton", lambda k: launched.append(k) or real(k))
+        leaves = {k: a[k].detach().clone().requires_grad_() for k in names}
+        with on_kernels():
+            out, bank = sdm_ops.sparse_delta_memory(
+                **{**a, **leaves}, chunk_size=16, output_final_state=True
+            )
+            loss = (out.float() * g_out).sum() + (bank.float() * 0.5).sum()
+            grads = torch.autograd.grad(loss, list(leaves.values()))
+        assert (kf._capped_walk in launched) == (many and bf16)
+        assert (kf._out_kernel in launched) == (many and bf16)
+        runs[sms] = out.detach(), bank.detach(), grads
+    (out0, bank0, g0), (out1, bank1, g1) = runs[0], runs[1000]
+    assert torch.equal(bank0, bank1), "bank"
+    for name, x, y in zip(names, g0, g1):
+        assert torch.equal(x, y), f"d {name}"
+    assert_close(out0, out1, rtol=1e-5, name="out")
+
+
 def test_decode_steps_one_token_at_a_time_equal_the_whole_sequence():
     a = _inputs(B=1, T=6, seed=15)
     out, bank = _run(a)

@@ -129,7 +129,9 @@ def _divisible(kernel, args, kwargs) -> list:
     """The arguments Triton's launcher specializes as divisible by 16 (pointers 16-byte
     aligned, integers multiples of 16): without them a kernel compiles to other code (scalar
     instead of vector loads, and other register counts) than it runs as."""
-    fn = kernel.fn if hasattr(kernel, "fn") else kernel
+    fn = kernel
+    while hasattr(fn, "fn"):  # an autotuner's JITFunction, a JITFunction's Python function
+        fn = fn.fn
     names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})  # not num_warps
@@ -187,6 +189,7 @@ def registers(launches: list, triton_dir: str | None = None) -> list[dict]:
                 consts={k: v for k, v in consts.items() if v is not None and k != "D"},
                 types={k: v for k, v in sig.items() if k in ("bank", "snap")},
                 warps=options.get("num_warps"),
+                cap=options.get("maxnreg"),
             )
         )
     return rows
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         spill = "?" if r["spill"] is None else r["spill"]
         print(
             f"{r['name']:<26}{r['regs'] or '?':>5}{spill:>8}"
-            f"  {r['consts']} {types} warps={r['warps']}"
+            f"  {r['consts']} {types} warps={r['warps']}" + (f" cap={r['cap']}" if r["cap"] else "")
         )
 
 

@@ -12,12 +12,16 @@ walks every chunk of the stream in order: the number of launches does not grow w
 When a chunk's entries fit one tile (TB = C: C * max(W, R) * 16 <= ``_TILE`` after rounding W
 and R up to powers of two; W = R = 8 at C = 64), a chunk is one pass through registers: gather
 the write and read rows (and store them as the snapshot), u = beta (v - retrieved), delta = X u
-and out = inter + QX u by full-float32 dots, then, after a barrier, write. Without a snapshot
-(the in-place and inference forwards) the walk forms only delta and stores res = v - retrieved
-and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta res) afterwards, one
-program a chunk and stream, in tf32x3: the walk then fits two programs an SM. With no more
-programs than SMs and a float32 bank (``walk_forms_out``), the walk forms out itself by the
-full-float32 dot; the choice depends on the streams, D, bank dtype and SM count alone.
+and out = inter + QX u by full-float32 dots, then, after a barrier, write. Where the walk's
+programs outnumber the SMs it must fit 128 registers a thread for two programs an SM (one
+wave): the in-place walk does as it is, the functional forwards' walks run capped there
+(``walk_capped``, ``_capped_walk``), but the training walk over a float32 bank, which would
+spill. Without a snapshot, and in the capped walk, the walk forms only delta and stores
+res = v - retrieved and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta
+res) afterwards, one program a chunk and stream, in tf32x3. With no more programs than SMs
+and a float32 bank (``walk_forms_out``), or with a snapshot where the walk is not capped, the
+walk forms out itself by the full-float32 dot; the choice depends on the streams, D, bank
+dtype, snapshot, source bank and SM count alone.
 Otherwise the chunk goes in three steps over tiles of TB tokens, with barriers between them:
 (1) gathers, storing res = v - retrieved and inter (to a per-program scratch); (2) the dots,
 storing delta; (3) the writes. Writes go in passes over the entries' rank within their slot:
@@ -70,20 +74,22 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from .._finite import FLT_MAX as _FLT_MAX
 from ._common import chunk_grid, sm_count
 from ._snapshot import BLOCK_D, SNAP_CODES, store_token_rows
 from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
+from .walk_out import _out_kernel, bad_rows, first_of
 
 _ROWS = 32  # rows of X per dot in step 2, and tokens of u per slice
 _NUM_WARPS = 8
+# Registers a thread at which two 8-warp programs share an SM (65536 registers an SM).
+ONE_WAVE_REGS = 128
 _TILE = 8192  # entries x columns gathered at once
 _OUT_TILE = 4096  # chunk tokens x out's columns a step of _out_kernel, at most
 _OUT_WARPS = 4  # a chunk of 64 tokens; twice as many at 128
-# The SM count ``walk_forms_out`` assumes: None for the device's own (on the CPU none, so that
-# the interpreter takes the reference shape's path, out after the walk); tests set it.
+# The SM count ``walk_forms_out`` and ``walk_capped`` assume: None for the device's own (on the
+# CPU none, so that the interpreter takes the reference shape's path: the capped walk, out after
+# it); tests and ``tools/ptxas_report.py`` set it.
 _WALK_SMS: int | None = None
-FLT_MAX = tl.constexpr(_FLT_MAX)
 
 
 @triton.jit
@@ -109,18 +115,6 @@ def _first_chunks(first_p, s, ok, SOURCE: tl.constexpr):
         return tl.load(first_p + s, mask=ok, other=0)
     else:
         return 0
-
-
-@triton.jit
-def _bad_rows(x):
-    """Which rows of ``x`` [TB, BD] hold a value that is not finite."""
-    return tl.max(tl.where(tl.abs(x) <= FLT_MAX, 0, 1), 1) > 0
-
-
-@triton.jit
-def _first(bad, i, C: tl.constexpr):
-    """The first of the tokens ``i`` that is ``bad`` (C where none is)."""
-    return tl.min(tl.where(bad, i, C), 0)
 
 
 @triton.jit
@@ -244,8 +238,9 @@ def _recurrence_fwd_kernel(
             tok, tok_ok = token_rows(tok0, h, H, count, ci)
             went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(next_w, wm, S)
+            wrow_p = _row_ptr(bank_p, src_p, next_fw, n, s, next_ws.to(tl.int64), D, SOURCE)
             rows, retrieved = _gather(
-                _row_ptr(bank_p, src_p, next_fw, n, s, next_ws.to(tl.int64), D, SOURCE),
+                wrow_p,
                 ok,
                 tl.where(ok, next_gw, 0.0),
                 rcols,
@@ -295,21 +290,26 @@ def _recurrence_fwd_kernel(
             # is not finite; delta from f_w on and out from f_o on are NaN (a token that
             # writes or reads nothing has u or inter 0: no mask needed). Without out here,
             # _out_kernel finds f_w and f_o again from the res and inter stored below.
-            f_w = _first(_bad_rows(uu), ci, C)
+            f_w = first_of(bad_rows(uu), ci, C)
             uu = tl.where(ci[:, None] < f_w, uu, 0.0)
             xo = x_base + ci[:, None] * C + ci[None, :]
             dl = tl.dot(tl.load(X + xo), uu, input_precision="ieee")
             dl = tl.where(ci[:, None] < f_w, dl, float("nan"))
-            if SNAPSHOT or OUT_WALK:
-                f_o = tl.minimum(f_w, _first(_bad_rows(inter), ci, C))
+            if OUT_WALK:
+                f_o = tl.minimum(f_w, first_of(bad_rows(inter), ci, C))
                 o = inter + tl.dot(tl.load(QX + xo), uu, input_precision="ieee")
                 o = tl.where(ci[:, None] < f_o, o, float("nan"))
             if SNAPSHOT:
-                tl.store(
-                    out + tok[:, None] * D + cols[None, :],
-                    o.to(out.dtype.element_ty),
-                    mask=tok_ok[:, None],
-                )
+                if OUT_WALK:
+                    tl.store(
+                        out + tok[:, None] * D + cols[None, :],
+                        o.to(out.dtype.element_ty),
+                        mask=tok_ok[:, None],
+                    )
+                else:
+                    tl.store(
+                        inter_buf + tok[:, None] * D + cols[None, :], inter, mask=tok_ok[:, None]
+                    )
                 tl.store(delta + tok[:, None] * D + cols[None, :], dl, mask=tok_ok[:, None])
             # The next chunk's first writing chunks, now that its slots have arrived.
             fs, fok = bank_slots(next_w, nwm, S)
@@ -338,6 +338,13 @@ def _recurrence_fwd_kernel(
                 # one dot a chunk, not two, and fits two programs an SM.
                 tl.store(res + tok[:, None] * D + cols[None, :], rr, mask=tok_ok[:, None])
                 tl.store(inter_buf + tok[:, None] * D + cols[None, :], inter, mask=tok_ok[:, None])
+            # With a snapshot and out left to _out_kernel (the walk capped at two programs an
+            # SM), the leading entries' rows again (cache hits): holding the gathered rows from
+            # the gathers to here would cost about 30 registers a thread.
+            if SNAPSHOT and not OUT_WALK:
+                rows = tl.load(
+                    wrow_p[:, :, None] + rcols[None, None, :], mask=lead[:, :, None], other=0.0
+                ).to(tl.float32)
             tl.store(
                 ptr, (rd[:, :, None] * rows + term).to(bank.dtype.element_ty), mask=lead[:, :, None]
             )
@@ -411,8 +418,8 @@ def _recurrence_fwd_kernel(
                 writes = tl.max(ok.to(tl.int32), 1) > 0
                 rr = tl.where(writes[:, None], vv - retrieved, 0.0)
                 bb = tl.load(beta + tok, mask=tok_ok, other=0.0).to(tl.float32)
-                f_w = tl.minimum(f_w, _first(_bad_rows(bb[:, None] * rr), ii, C))
-                f_o = tl.minimum(f_o, _first(_bad_rows(inter), ii, C))
+                f_w = tl.minimum(f_w, first_of(bad_rows(bb[:, None] * rr), ii, C))
+                f_o = tl.minimum(f_o, first_of(bad_rows(inter), ii, C))
                 tl.store(res + tok[:, None] * D + cols[None, :], rr, mask=tok_ok[:, None])
                 tl.store(scratch_p + ii[:, None] * D + cols[None, :], inter)
             f_o = tl.minimum(f_o, f_w)
@@ -482,53 +489,12 @@ def _recurrence_fwd_kernel(
                 tl.debug_barrier()
 
 
-@triton.jit
-def _out_kernel(
-    QX,
-    beta,
-    res,
-    inter,
-    out,
-    chunks,
-    T,
-    H,
-    D: tl.constexpr,
-    C: tl.constexpr,
-    BK: tl.constexpr,
-    VARLEN: tl.constexpr,
-):
-    """out = inter + QX u (u = beta res) for one chunk (or chunk slot) and stream over all D
-    columns, BK at a time, after the one-tile walk without a snapshot stored res and inter. The
-    product in tf32x3 (three tensor-core products, about float32's accuracy: the numerical
-    contract asks full float32 dots of the WY solve, not of this one): 1.9e-7 of the largest
-    value from a float64 one at the reference shape against full float32's 6.1e-7, and faster
-    than full float32 dots."""
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    h = p % H
-    if VARLEN:
-        tok0 = tl.load(chunks + 2 * n)
-        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
-    else:
-        tok0, count = dense_chunk(n, p, T, H, C)
-    ci = tl.arange(0, C)
-    tok, ok = token_rows(tok0, h, H, count, ci)
-    bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
-    qx = tl.load(
-        QX + (p.to(tl.int64) * tl.num_programs(0) + n) * C * C + ci[:, None] * C + ci[None, :]
-    )
-    for k0 in range(0, D, BK):
-        kc = k0 + tl.arange(0, BK)
-        off = tok[:, None] * D + kc[None, :]
-        u = bb[:, None] * tl.load(res + off, mask=ok[:, None], other=0.0)
-        o = tl.load(inter + off, mask=ok[:, None], other=0.0)
-        # As the walk: the product on the tokens before the first whose update or read is
-        # not finite, out NaN from there on (found again from the same res, beta and inter).
-        f_o = tl.minimum(_first(_bad_rows(u), ci, C), _first(_bad_rows(o), ci, C))
-        u = tl.where(ci[:, None] < f_o, u, 0.0)
-        o = tl.dot(qx, u, o, input_precision="tf32x3")
-        o = tl.where(ci[:, None] < f_o, o, float("nan"))
-        tl.store(out + off, o.to(out.dtype.element_ty), mask=ok[:, None])
+# The walk capped at ONE_WAVE_REGS registers a thread (ptxas' maxnreg), 8 warps as the uncapped
+# one: a one-config autotuner, the form in which torch.compile carries a launch's maxnreg
+# into the code it generates.
+_capped_walk = triton.autotune(
+    configs=[triton.Config({}, num_warps=_NUM_WARPS, maxnreg=ONE_WAVE_REGS)], key=[]
+)(_recurrence_fwd_kernel)
 
 
 def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
@@ -548,6 +514,31 @@ def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.
     one."""
     sms = sm_count(device) if _WALK_SMS is None else _WALK_SMS
     return bank_dtype == torch.float32 and streams * (D // BLOCK_D) <= sms
+
+
+def walk_capped(
+    streams: int,
+    D: int,
+    snapshot: str | None,
+    source: bool,
+    bank_dtype: torch.dtype,
+    device: torch.device,
+) -> bool:
+    """Whether the one-tile walk runs capped at ``ONE_WAVE_REGS`` registers a thread
+    (``_capped_walk``): where its ``streams * D / BLOCK_D`` programs outnumber the SMs (the
+    reference shape's 256 on 132), so that two programs share an SM and all of them run in one
+    wave instead of two. Only the walks from a ``source`` bank (the functional forwards): the
+    in-place walk fits 128 registers uncapped. Not with a snapshot over a float32 bank: under
+    the cap that walk spills 48 to 220 bytes a thread (Triton 3.6) and ran 52% slower on an
+    H100; it keeps its full registers and forms out itself. The capped walk with a snapshot
+    leaves out to
+    ``_out_kernel``, as the walks without one do: its second dot is what the cap cannot hold.
+    On an H100 at the reference shape the cap made the forward without grad 13% (float32
+    bank) and 10% (bfloat16 bank) faster, and the training forward over a bfloat16 bank 7%."""
+    sms = sm_count(device) if _WALK_SMS is None else _WALK_SMS
+    if streams * (D // BLOCK_D) <= sms or not source:
+        return False
+    return snapshot is None or bank_dtype != torch.float32
 
 
 def recurrence_fwd(
@@ -593,13 +584,18 @@ def recurrence_fwd(
         return
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     # The one-tile path keeps a chunk in registers and touches neither the scratch nor, without
-    # a snapshot, delta (one-element stand-ins then); without a snapshot it forms out itself
-    # where the walk has at most one program an SM and the bank is float32, else stores res and
-    # inter for _out_kernel.
+    # a snapshot, delta (one-element stand-ins then). Without a snapshot it forms out itself
+    # where the walk has at most one program an SM and the bank is float32; with one, where it
+    # is not capped; else it stores res and inter for _out_kernel.
     tiled = tb < C
-    plain = not tiled and snapshot is None
-    out_walk = plain and walk_forms_out(streams, D, bank.dtype, v.device)
-    out_after = plain and not out_walk
+    capped = not tiled and walk_capped(
+        streams, D, snapshot, source is not None, bank.dtype, v.device
+    )
+    if snapshot is None:
+        out_walk = not tiled and walk_forms_out(streams, D, bank.dtype, v.device)
+    else:
+        out_walk = not tiled and not capped
+    out_after = not tiled and not out_walk
     f32 = dict(dtype=torch.float32, device=v.device)
     scratch = torch.empty((streams, C, D) if tiled else (1,), **f32)
     if res is None:
@@ -609,7 +605,7 @@ def recurrence_fwd(
         delta = torch.empty(v.shape if tiled else (1,), **f32)
     mode = SNAP_CODES["none" if snapshot is None else snapshot]
     varlen = chunks is not None
-    wrap_triton(_recurrence_fwd_kernel)[(streams * (D // BLOCK_D),)](
+    wrap_triton(_capped_walk if capped else _recurrence_fwd_kernel)[(streams * (D // BLOCK_D),)](
         v,
         beta,
         write_idx,
@@ -657,7 +653,7 @@ def recurrence_fwd(
         SOURCE=source is not None,
         ROWS=write_src is not None,
         OUT_WALK=out_walk,
-        num_warps=_NUM_WARPS,
+        **({} if capped else dict(num_warps=_NUM_WARPS)),
     )
     if out_after:
         N, P = chunk_grid(B, T, H, C, chunks)

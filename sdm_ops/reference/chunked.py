@@ -158,7 +158,7 @@ def chunk_prepare_reference(
     )
 
 
-def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+def quantize_rows(rows: Tensor, mode: str, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Snapshot rows [..., D] (float32) in ``mode``: (codes, scales [..., D / 16] or empty).
 
     none: the rows unchanged (callers store them in the bank dtype); bf16: rounded to bfloat16;
@@ -166,14 +166,23 @@ def quantize_rows(rows: Tensor, mode: str) -> tuple[Tensor, Tensor]:
     stored as their bit patterns (uint8);
     int4: round-half-up(rows / scale) in [-7, 7], scale = amax / 7, stored + 8 two per byte
     (even column in the low nibble). A group of zeros gets scale 1.
+    ``scale`` [..., D / 16], if given, replaces the groups' own scales (fp8, int4).
+
+    On a GPU the kernels divide with the device's float32 division, which may differ from a
+    correctly rounded quotient by up to 2 ulp: scales and the codes of values within that of a
+    rounding boundary can differ from these. The decoder reads the stored scale, so what the
+    backward sees is always ``dequantize_rows`` of what was stored.
     """
     if mode in ("none", "bf16"):
         return (rows if mode == "none" else rows.to(torch.bfloat16)), rows.new_zeros(0)
     d = rows.shape[-1]
     g = rows.reshape(*rows.shape[:-1], d // QUANT_GROUP, QUANT_GROUP)
     top = FP8_MAX if mode == "fp8" else INT4_MAX
-    amax = g.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    if scale is None:
+        amax = g.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    else:
+        scale = scale[..., None]
     x = g / scale
     if mode == "fp8":
         codes = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(rows.shape)
