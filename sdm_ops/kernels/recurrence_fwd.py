@@ -15,7 +15,7 @@ the write and read rows (and store them as the snapshot), u = beta (v - retrieve
 and out = inter + QX u by full-float32 dots, then, after a barrier, write. Where the walk's
 programs outnumber the SMs it must fit 128 registers a thread for two programs an SM (one
 wave): the in-place walk does as it is, the functional forwards' walks run capped there
-(``walk_capped``, ``_capped_walk``), but the training walk over a float32 bank, which would
+(``walk_capped``, ``_capped_walk``), except the training walk over a float32 bank, which would
 spill. Without a snapshot, and in the capped walk, the walk forms only delta and stores
 res = v - retrieved and inter instead of out; ``_out_kernel`` forms out = inter + QX (beta
 res) afterwards, one program a chunk and stream, in tf32x3. With no more programs than SMs
