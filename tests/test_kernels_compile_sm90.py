@@ -84,11 +84,18 @@ def _recording(calls: list, run: bool = True):
             m.wrap_triton = f
 
 
+def python_function(kernel):
+    """The Python function behind a launched kernel: through an autotuner to its JITFunction,
+    and through that to the function it compiles."""
+    fn = kernel
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return fn
+
+
 def _signature(kernel, args, kwargs):
     """(module, name, signature, constexprs, options) of one launch, as JSON-able values."""
-    fn = kernel
-    while hasattr(fn, "fn"):  # an autotuner's JITFunction, a JITFunction's Python function
-        fn = fn.fn
+    fn = python_function(kernel)
     code = fn.__code__
     names = list(code.co_varnames[: code.co_argcount])
     bound = dict(zip(names, args))

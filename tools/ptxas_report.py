@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import sdm_ops
 from benchmarks import bench
 from sdm_ops.kernels._common import _ON_CPU
-from tests.test_kernels_compile_sm90 import _recording, _signature
+from tests.test_kernels_compile_sm90 import _recording, _signature, python_function
 
 _COMPILE = r"""
 import importlib, json, sys
@@ -129,9 +129,7 @@ def _divisible(kernel, args, kwargs) -> list:
     """The arguments Triton's launcher specializes as divisible by 16 (pointers 16-byte
     aligned, integers multiples of 16): without them a kernel compiles to other code (scalar
     instead of vector loads, and other register counts) than it runs as."""
-    fn = kernel
-    while hasattr(fn, "fn"):  # an autotuner's JITFunction, a JITFunction's Python function
-        fn = fn.fn
+    fn = python_function(kernel)
     names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})  # not num_warps

@@ -505,6 +505,13 @@ def recurrence_fwd_geometry(W: int, R: int, C: int) -> tuple[int, int, int]:
     return wp, rp, tb
 
 
+def _one_program_an_sm(streams: int, D: int, device: torch.device) -> bool:
+    """Whether the walk's ``streams * D / BLOCK_D`` programs are no more than the SMs (those
+    ``_WALK_SMS`` assumes), so that each has an SM to itself whatever its registers."""
+    sms = sm_count(device) if _WALK_SMS is None else _WALK_SMS
+    return streams * (D // BLOCK_D) <= sms
+
+
 def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the one-tile walk without a snapshot forms out itself: with a float32 bank where
     its ``streams * D / BLOCK_D`` programs are no more than the SMs (one program an SM at most,
@@ -512,8 +519,7 @@ def walk_forms_out(streams: int, D: int, bank_dtype: torch.dtype, device: torch.
     two programs an SM (the reference shape's 256 programs on 132 SMs). On an H200 the walk's
     out is 5-9% faster with a float32 bank at B = 1 and 2 and 4-9% slower with a bfloat16
     one."""
-    sms = sm_count(device) if _WALK_SMS is None else _WALK_SMS
-    return bank_dtype == torch.float32 and streams * (D // BLOCK_D) <= sms
+    return bank_dtype == torch.float32 and _one_program_an_sm(streams, D, device)
 
 
 def walk_capped(
@@ -535,8 +541,7 @@ def walk_capped(
     ``_out_kernel``, as the walks without one do: its second dot is what the cap cannot hold.
     On an H100 at the reference shape the cap made the forward without grad 13% (float32
     bank) and 10% (bfloat16 bank) faster, and the training forward over a bfloat16 bank 7%."""
-    sms = sm_count(device) if _WALK_SMS is None else _WALK_SMS
-    if streams * (D // BLOCK_D) <= sms or not source:
+    if _one_program_an_sm(streams, D, device) or not source:
         return False
     return snapshot is None or bank_dtype != torch.float32
 
