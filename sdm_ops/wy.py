@@ -29,7 +29,9 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> WYSolution:
         ``WYSolution(X, QX)``, each ``[N, C, C]`` float32 contiguous: ``X`` unit lower
         triangular, both zero above the diagonal. Differentiable in ``A``, ``beta`` and ``QK``
         (the gradients of ``A`` and ``QK`` are zero where they are not read). All dots are full
-        float32; the result is bitwise deterministic.
+        float32; the result is bitwise deterministic. The kernels skip the products of 16 x 16
+        tiles of ``A``, ``QK`` and ``X`` that hold only zeros, so an inf or NaN reaches an
+        output only through tiles that are not zero (as in a sparse matrix product).
 
     Example::
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import sdm_ops
+from sdm_ops.kernels import wy_solve as wy_kernels
 from sdm_ops.reference import wy_solve_backward_reference, wy_solve_reference
 from tests.helpers import (
     HAS_CUDA,
@@ -36,6 +37,27 @@ def make_inputs(n: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
     A = torch.randn(n, c, c, generator=g) * (0.5 / math.sqrt(c))
     beta = torch.rand(n, c, generator=g) * 0.98 + 0.01
     QK = torch.randn(n, c, c, generator=g) / math.sqrt(c)
+    return A, beta, QK
+
+
+def make_sparse_inputs(
+    n: int, c: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A, beta, QK) as a large bank makes them: a few nonzero entries a chunk (most 16 x 16
+    tiles zero), chunk 0 all zero, chunk 1 dense, the others 1 to 6 entries each of A and QK at
+    random places of their triangles."""
+    g = torch.Generator().manual_seed(seed)
+    A_dense, beta, QK_dense = make_inputs(n, c, seed)
+    A = torch.zeros(n, c, c)
+    QK = torch.zeros(n, c, c)
+    for k in range(2, n):
+        for dst, src in ((A, A_dense), (QK, QK_dense)):
+            count = int(torch.randint(1, 7, (), generator=g))
+            i = torch.randint(0, c, (count,), generator=g)
+            j = (torch.rand(count, generator=g) * (i + 1)).long().clamp(max=c - 1)
+            dst[k, i, j] = src[k, i, j]
+    if n > 1:
+        A[1], QK[1] = A_dense[1], QK_dense[1]
     return A, beta, QK
 
 
@@ -167,3 +189,46 @@ def test_forward_and_backward_are_bitwise_deterministic_on_cuda():
         runs.append((X, QX, *grads))
     for name, first, second in zip(("X", "QX", "dA", "dbeta", "dQK"), *runs):
         assert torch.equal(first, second), f"{name} differs between two runs"
+
+
+@requires_kernels
+@pytest.mark.parametrize("c", (33, 64, 128))
+def test_zero_tiles_skipped_give_the_dense_kernels_results(c, monkeypatch):
+    """On sparse A and QK, the kernels that skip zero tiles match the float64 reference and give
+    the values of the kernels that run every product, forward and backward."""
+    n = 24 if HAS_CUDA else 6
+    A, beta, QK = make_sparse_inputs(n, c, seed=300 + c)
+    dX, dQX = make_output_grads(n, c, seed=300 + c)
+    runs = {}
+    for skip in (True, False):
+        monkeypatch.setattr(wy_kernels, "SKIP_ZERO_TILES", skip)
+        runs[skip] = (*kernel_solve(A, beta, QK), *kernel_grads(A, beta, QK, dX, dQX))
+    want = (
+        *wy_solve_reference(A.double(), beta.double(), QK.double()),
+        *reference_grads(A, beta, QK, dX, dQX),
+    )
+    for name, got, dense, ref in zip(
+        ("X", "QX", "dA", "dbeta", "dQK"), runs[True], runs[False], want
+    ):
+        assert_close(got, ref, rtol=RTOL, name=f"{name} (C={c})")
+        assert torch.equal(got, dense), f"{name} (C={c}) differs from the dense kernels"
+
+
+@requires_kernels
+def test_a_tile_holding_only_a_nan_is_not_skipped(monkeypatch):
+    """A NaN is not zero: a tile of A that is zero but for one NaN is multiplied as the dense
+    kernels multiply it, so the NaN reaches the same entries of X and QX."""
+    c = 48
+    A, beta, QK = make_sparse_inputs(3, c, seed=5)
+    A[2] = 0.0
+    A[2, 40, 20] = math.nan  # tile (2, 1): its row block's X[2, 1] and X[2, 0] through X[1, 0]
+    A[2, 20, 3] = 0.25  # makes X[1, 0] not zero
+    runs = {}
+    for skip in (True, False):
+        monkeypatch.setattr(wy_kernels, "SKIP_ZERO_TILES", skip)
+        runs[skip] = kernel_solve(A, beta, QK)
+    for got, dense, name in zip(runs[True], runs[False], ("X", "QX")):
+        assert got[2].isnan().any(), f"{name}: the NaN was skipped"
+        assert torch.equal(got.isnan(), dense.isnan()), f"{name}: NaN reaches other entries"
+        finite = ~dense.isnan()
+        assert torch.equal(got[finite], dense[finite]), f"{name}: finite entries differ"
