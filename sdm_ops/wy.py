@@ -30,8 +30,9 @@ def wy_solve(A: Tensor, beta: Tensor, QK: Tensor) -> WYSolution:
         triangular, both zero above the diagonal. Differentiable in ``A``, ``beta`` and ``QK``
         (the gradients of ``A`` and ``QK`` are zero where they are not read). All dots are full
         float32; the result is bitwise deterministic. The kernels skip the products of 16 x 16
-        tiles of ``A``, ``QK`` and ``X`` that hold only zeros, so an inf or NaN reaches an
-        output only through tiles that are not zero (as in a sparse matrix product).
+        tiles of ``A``, ``QK`` and ``X`` that hold only zeros and of the blocks of ``X`` that
+        are the identity, so an inf or NaN does not reach through those zeros (as in a sparse
+        matrix product).
 
     Example::
 
