@@ -134,6 +134,24 @@ def _eye(t):
 
 
 @triton.jit
+def _used(t, SKIP: tl.constexpr):
+    """Whether a product with the tile t must run: always, unless SKIP and t is all zero."""
+    if SKIP:
+        return _nonzero(t)
+    else:
+        return True
+
+
+@triton.jit
+def _is_eye(t, SKIP: tl.constexpr):
+    """Whether a product with the tile t may be taken as the identity's: only if SKIP."""
+    if SKIP:
+        return _eye(t)
+    else:
+        return False
+
+
+@triton.jit
 def _fwd_diag_kernel(A, Beta, X, C: tl.constexpr, SKIP: tl.constexpr):
     """X[T, T] = (I + L[T, T])^-1 for T = program_id(1); writes nothing else."""
     n = tl.program_id(0).to(tl.int64)
@@ -142,13 +160,9 @@ def _fwd_diag_kernel(A, Beta, X, C: tl.constexpr, SKIP: tl.constexpr):
     o = tl.arange(0, 16)
     # s = (I + l)^-1 - I (strictly lower), one row at a time: s[i] = -(l[i] + l[i] @ s).
     s = tl.zeros((16, 16), dtype=tl.float32)
-    if SKIP:
-        rows = T * 16 + o
-        b_t = tl.load(Beta + n * C + rows, mask=rows < C, other=0.0)
-        busy = _nonzero(_tile(a, T, T, C, 2, False) * b_t[:, None])
-    else:
-        busy = True
-    if busy:  # l = 0 leaves s = 0: X[T, T] = I
+    rows = T * 16 + o
+    b_t = tl.load(Beta + n * C + rows, mask=rows < C, other=0.0)
+    if _used(_tile(a, T, T, C, 2, False) * b_t[:, None], SKIP):  # l = 0 leaves s = 0: X = I
         for i in tl.static_range(1, 16):
             r = T * 16 + i
             l_i = tl.load(a + r * C + T * 16 + o, mask=(o < i) & (r < C), other=0.0)
@@ -178,12 +192,9 @@ def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr, SKIP: tl.constexpr):
         _put(qx, R, J, zero, C)
     x_jj = _tile(x, J, J, C, 1, False)
     qk_jj = _tile(qk, J, J, C, 1, False)
-    if SKIP:
-        eye_jj = _eye(x_jj)
-        if eye_jj:
-            q_jj = qk_jj
-        else:
-            q_jj = _mm(qk_jj, x_jj, zero)
+    eye_jj = _is_eye(x_jj, SKIP)
+    if eye_jj:
+        q_jj = qk_jj
     else:
         q_jj = _mm(qk_jj, x_jj, zero)
     _put(qx, J, J, tl.where(o[:, None] >= o[None, :], q_jj, 0.0), C)
@@ -192,55 +203,43 @@ def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr, SKIP: tl.constexpr):
         b_i = tl.load(Beta + n * C + rows, mask=rows < C, other=0.0)
         lx = zero
         q_ij = zero
-        if SKIP:
-            # K = J: X[J, J], often the identity.
-            l_ik = _tile(a, I, J, C, 2, False) * b_i[:, None]
-            q_ik = _tile(qk, I, J, C, 1, False)
-            hit = _nonzero(l_ik)  # whether lx may be nonzero
-            if eye_jj:
-                if hit:
-                    lx = l_ik
-                q_ij = q_ik
-            else:
-                if hit:
-                    lx = _mm(l_ik, x_jj, lx)
-                if _nonzero(q_ik):
-                    q_ij = _mm(q_ik, x_jj, q_ij)
-            for K in range(J + 1, I):
-                l_ik = _tile(a, I, K, C, 2, False) * b_i[:, None]
-                q_ik = _tile(qk, I, K, C, 1, False)
-                use_l = _nonzero(l_ik)
-                use_q = _nonzero(q_ik)
-                if use_l | use_q:
-                    x_kj = _tile(x, K, J, C, 1, False)
-                    if _nonzero(x_kj):
-                        if use_l:
-                            lx = _mm(l_ik, x_kj, lx)
-                            hit = True
-                        if use_q:
-                            q_ij = _mm(q_ik, x_kj, q_ij)
-            x_ij = -lx
+        # K = J: X[J, J], often the identity.
+        l_ik = _tile(a, I, J, C, 2, False) * b_i[:, None]
+        q_ik = _tile(qk, I, J, C, 1, False)
+        hit = _used(l_ik, SKIP)  # whether lx may be nonzero
+        if eye_jj:
             if hit:
-                x_ii = _tile(x, I, I, C, 1, False)
-                if _eye(x_ii):
-                    x_ij = -lx
-                else:
-                    x_ij = -_mm(x_ii, lx, zero)
+                lx = l_ik
+            q_ij = q_ik
         else:
-            for K in range(J, I):
+            if hit:
+                lx = _mm(l_ik, x_jj, lx)
+            if _used(q_ik, SKIP):
+                q_ij = _mm(q_ik, x_jj, q_ij)
+        for K in range(J + 1, I):
+            l_ik = _tile(a, I, K, C, 2, False) * b_i[:, None]
+            q_ik = _tile(qk, I, K, C, 1, False)
+            use_l = _used(l_ik, SKIP)
+            use_q = _used(q_ik, SKIP)
+            if use_l | use_q:
                 x_kj = _tile(x, K, J, C, 1, False)
-                lx = _mm(_tile(a, I, K, C, 2, False) * b_i[:, None], x_kj, lx)
-                q_ij = _mm(_tile(qk, I, K, C, 1, False), x_kj, q_ij)
-            x_ij = -_mm(_tile(x, I, I, C, 1, False), lx, zero)
+                if _used(x_kj, SKIP):
+                    if use_l:
+                        lx = _mm(l_ik, x_kj, lx)
+                        hit = True
+                    if use_q:
+                        q_ij = _mm(q_ik, x_kj, q_ij)
+        x_ij = -lx
+        if hit:
+            x_ii = _tile(x, I, I, C, 1, False)
+            if not _is_eye(x_ii, SKIP):
+                x_ij = -_mm(x_ii, lx, zero)
         _put(x, I, J, x_ij, C)
         tl.debug_barrier()  # X[I, J] is read back by the next blocks of this panel
-        if SKIP:
-            if hit:
-                qk_ii = _tile(qk, I, I, C, 1, False)
-                if _nonzero(qk_ii):
-                    q_ij = _mm(qk_ii, x_ij, q_ij)
-        else:
-            q_ij = _mm(_tile(qk, I, I, C, 1, False), x_ij, q_ij)
+        if hit:
+            qk_ii = _tile(qk, I, I, C, 1, False)
+            if _used(qk_ii, SKIP):
+                q_ij = _mm(qk_ii, x_ij, q_ij)
         _put(qx, I, J, q_ij, C)
 
 
@@ -264,29 +263,20 @@ def _bwd_panel_kernel(QK, X, dX, dQX, G, W, C: tl.constexpr, SKIP: tl.constexpr)
         g = _tile(dX + base, I, B, C, 2, False)
         for K in range(I, NT):
             qk_t = _tile(qk, K, I, C, 1, True)
-            if SKIP:
-                if _nonzero(qk_t):
-                    g = _mm(qk_t, _tile(dqx, K, B, C, 1, False), g)
-            else:
+            if _used(qk_t, SKIP):
                 g = _mm(qk_t, _tile(dqx, K, B, C, 1, False), g)
         g = tl.where((I * 16 + o[:, None]) > (B * 16 + o[None, :]), g, 0.0)
         _put(g_st, I, B, g, C)
         tl.debug_barrier()  # G[I, B] is read back by the blocks above
         # W[I, B] = sum_{K >= I} X[K, I]^T G[K, B].
         x_it = _tile(x, I, I, C, 1, True)
-        if SKIP:
-            if _eye(x_it):
-                w = g
-            else:
-                w = _mm(x_it, g, zero)
+        if _is_eye(x_it, SKIP):
+            w = g
         else:
             w = _mm(x_it, g, zero)
         for K in range(I + 1, NT):
             x_t = _tile(x, K, I, C, 1, True)
-            if SKIP:
-                if _nonzero(x_t):
-                    w = _mm(x_t, _tile(g_st, K, B, C, 0, False), w)
-            else:
+            if _used(x_t, SKIP):
                 w = _mm(x_t, _tile(g_st, K, B, C, 0, False), w)
         _put(w_st, I, B, w, C)
 
@@ -310,27 +300,21 @@ def _bwd_row_kernel(A, Beta, X, dQX, W, dA, dBeta, dQK, C: tl.constexpr, SKIP: t
     for J in range(0, I + 1):
         m = zero
         q = zero
-        if SKIP:
-            for K in range(0, J):
-                xt = _tile(x, J, K, C, 1, True)
-                if _nonzero(xt):
-                    m = _mm(_tile(w_st, I, K, C, 1, False), xt, m)
-                    q = _mm(_tile(dqx, I, K, C, 1, False), xt, q)
-            # K = J: X[J, J], often the identity.
-            xt = _tile(x, J, J, C, 1, True)
-            w_ij = _tile(w_st, I, J, C, 1, False)
-            dqx_ij = _tile(dqx, I, J, C, 1, False)
-            if _eye(xt):
-                m = m + w_ij
-                q = q + dqx_ij
-            else:
-                m = _mm(w_ij, xt, m)
-                q = _mm(dqx_ij, xt, q)
-        else:
-            for K in range(0, J + 1):
-                xt = _tile(x, J, K, C, 1, True)
+        for K in range(0, J):
+            xt = _tile(x, J, K, C, 1, True)
+            if _used(xt, SKIP):
                 m = _mm(_tile(w_st, I, K, C, 1, False), xt, m)
                 q = _mm(_tile(dqx, I, K, C, 1, False), xt, q)
+        # K = J: X[J, J], often the identity.
+        xt = _tile(x, J, J, C, 1, True)
+        w_ij = _tile(w_st, I, J, C, 1, False)
+        dqx_ij = _tile(dqx, I, J, C, 1, False)
+        if _is_eye(xt, SKIP):
+            m = m + w_ij
+            q = q + dqx_ij
+        else:
+            m = _mm(w_ij, xt, m)
+            q = _mm(dqx_ij, xt, q)
         cols = J * 16 + o
         below = rows[:, None] > cols[None, :]
         dl = tl.where(below, -m, 0.0)
