@@ -191,6 +191,25 @@ def test_forward_and_backward_are_bitwise_deterministic_on_cuda():
         assert torch.equal(first, second), f"{name} differs between two runs"
 
 
+# How far the kernels that skip zero tiles may be from the dense ones, in units of the largest
+# entry: compiled, the two may round the diagonal substitution's sum in another order.
+DENSE_ROUNDING = 2.0**-20
+
+
+def assert_same_as_dense(got, dense, name):
+    """The skipping kernels' values are the dense kernels': bitwise in the interpreter (both
+    evaluate the same sums in the same order), within DENSE_ROUNDING compiled."""
+    diff = float((got - dense).abs().max()) if got.numel() else 0.0
+    message = (
+        f"{name} differs from the dense kernels in {int((got != dense).sum())} entries, "
+        f"by up to {diff:.3g}"
+    )
+    if HAS_CUDA:
+        assert diff <= DENSE_ROUNDING * float(dense.abs().max()), message
+    else:
+        assert torch.equal(got, dense), message
+
+
 @requires_kernels
 @pytest.mark.parametrize("c", (33, 64, 128))
 def test_zero_tiles_skipped_give_the_dense_kernels_results(c, monkeypatch):
@@ -211,10 +230,7 @@ def test_zero_tiles_skipped_give_the_dense_kernels_results(c, monkeypatch):
         ("X", "QX", "dA", "dbeta", "dQK"), runs[True], runs[False], want
     ):
         assert_close(got, ref, rtol=RTOL, name=f"{name} (C={c})")
-        assert torch.equal(got, dense), (
-            f"{name} (C={c}) differs from the dense kernels in {int((got != dense).sum())} "
-            f"entries, by up to {float((got - dense).abs().max()):.3g}"
-        )
+        assert_same_as_dense(got, dense, f"{name} (C={c})")
 
 
 @requires_kernels
@@ -236,7 +252,4 @@ def test_a_tile_holding_only_a_nan_is_not_skipped(monkeypatch):
     for got, dense, name in zip(runs[True], runs[False], ("X", "QX")):
         assert not (got.isnan() & ~dense.isnan()).any(), f"{name}: NaN where the dense has none"
         finite = ~dense.isnan()
-        diff = got[finite] - dense[finite]
-        assert not diff.any(), (
-            f"{name}: finite entries differ by up to {float(diff.abs().max()):.3g}"
-        )
+        assert_same_as_dense(got[finite], dense[finite], f"{name}'s finite entries")

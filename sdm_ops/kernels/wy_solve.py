@@ -44,7 +44,10 @@ of A, QK or X holds only zeros (its other operand is then not loaded), add inste
 multiplying where a diagonal block of X is the identity, and take a diagonal block whose beta A
 is zero as the identity without the substitution. A tile holding a NaN is neither zero nor the
 identity. For finite operands a skipped product would add only zeros and a product with the
-identity rounds as the sum does, so the results equal the dense kernels' (a zero's sign aside).
+identity rounds as the sum does, so the results are the dense kernels' up to rounding: the
+interpreter gives the same bits (a zero's sign aside), while compiled, the kernels with and
+without the skips may lay out a reduction differently (the diagonal substitution's sum over 16
+rows) and so round it in another order, a few units in the last place apart.
 The zeros of a zero tile or of an identity block are structural: an infinite or NaN value in
 the other operand does not reach through them, as in a sparse matrix product. At the reference
 workload (C = 64, W = R = 8, S = 65536) this leaves about 1.5 of a chunk's 36 tile
