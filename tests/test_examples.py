@@ -171,7 +171,7 @@ def test_readme_gpu_examples_say_so_in_their_first_line():
 
 
 RESULTS = ROOT / "benchmarks" / "results"
-# The README's summary of the main section of h200.json: its header for each of the bench's keys.
+# The README's summary of the main section of h100.json: its header for each of the bench's keys.
 README_SUMMARY = {
     "forward ms": "fwd_graph_ms",
     "in place ms": "in_place_graph_ms",
@@ -182,7 +182,7 @@ README_SUMMARY = {
 
 
 def test_readme_benchmark_table_summarizes_the_committed_results():
-    results = json.loads((RESULTS / "h200.json").read_text())
+    results = json.loads((RESULTS / "h100.json").read_text())
     (main,) = [s for s in results["sections"] if s["name"] == "main"]
     formats = {c["key"]: c["format"] for c in main["columns"]}
     lines = [
@@ -192,10 +192,10 @@ def test_readme_benchmark_table_summarizes_the_committed_results():
     for row in main["rows"]:
         cells = [format(row[key], formats[key]) for key in README_SUMMARY.values()]
         lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
-    assert "\n".join(lines) in README.read_text(), "README's table is not h200.json's figures"
+    assert "\n".join(lines) in README.read_text(), "README's table is not h100.json's figures"
 
 
-@pytest.mark.parametrize("name", ["h200", "state-h200", "capacity-h200"])
+@pytest.mark.parametrize("name", ["h100", "h200", "state-h200", "capacity-h200"])
 def test_docs_benchmark_tables_are_rendered_from_the_committed_results(name):
     """Every section of each committed results file is in docs/benchmarks.md, its title and
     table as ``benchmarks/table.py`` renders them (the file's notes are not required)."""
