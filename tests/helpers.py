@@ -53,18 +53,21 @@ SMALL_LAYER = dict(d_model=32, heads=2, head_dim=16, factors=(4, 4), read_topk=3
 
 
 def kernel_modules() -> list:
-    """Every module of ``sdm_ops.kernels`` that launches kernels (modules named ``_...`` hold
-    shared helpers and launch nothing)."""
+    """Every module of ``sdm_ops.kernels`` that launches kernels through ``wrap_triton``.
+    The others hold shared helpers (modules named ``_...``) or kernels that another module
+    launches (``walk_out``'s ``_out_kernel``, launched by ``recurrence_fwd``)."""
     import importlib
+    import inspect
     import pkgutil
 
     import sdm_ops.kernels
 
-    return [
+    modules = [
         importlib.import_module(f"sdm_ops.kernels.{info.name}")
         for info in pkgutil.iter_modules(sdm_ops.kernels.__path__)
         if not info.name.startswith("_")
     ]
+    return [m for m in modules if "wrap_triton(" in inspect.getsource(m)]
 
 
 @contextlib.contextmanager
