@@ -47,7 +47,8 @@ identity. For finite operands a skipped product would add only zeros and a produ
 identity rounds as the sum does, so the results are the dense kernels' up to rounding: the
 interpreter gives the same bits (a zero's sign aside), while compiled, the kernels with and
 without the skips may lay out a reduction differently (the diagonal substitution's sum over 16
-rows) and so round it in another order, a few units in the last place apart.
+rows is one) and so round it in another order. On an H100 under 0.1% of the entries of X, QX
+and the gradients differ, each by less than 2^-20 of the output's largest entry.
 The zeros of a zero tile or of an identity block are structural: an infinite or NaN value in
 the other operand does not reach through them, as in a sparse matrix product. At the reference
 workload (C = 64, W = R = 8, S = 65536) this leaves about 1.5 of a chunk's 36 tile
