@@ -44,8 +44,8 @@ class Clean(NamedTuple):
     write_w: Tensor  # [B, T, H, W]: 0 for invalid or non-finite entries
     read_w: Tensor  # [B, T, H, R]: likewise
     decay: Tensor | None  # [B, T, H, W]: 1 for invalid or non-finite entries
-    bad_reads: Tensor  # [B, T, H, R] bool: the valid read entries of a token whose read
-    # weights are not all finite
+    bad_reads: Tensor | None  # [B, T, H, R] bool: the valid read entries of a token whose
+    # read weights are not all finite (None in the backward, which does not read it)
 
 
 def _finite(x: Tensor) -> Tensor:
@@ -89,8 +89,8 @@ class Kept(NamedTuple):
     write_w: Tensor
     read_w: Tensor
     decay: Tensor | None
-    write_entries: Tensor  # the write entries inside [0, S), padding or not
-    read_entries: Tensor  # the same of the read entries
+    write_entries: Tensor | None  # the write entries inside [0, S), padding or not (None in
+    read_entries: Tensor | None  # the backward, which does not read them); the same of reads
 
     @staticmethod
     def _keep(mask: Tensor, grad: Tensor) -> Tensor:
@@ -129,3 +129,42 @@ def kept(
         write_entries=valid_w,
         read_entries=valid_r,
     )
+
+
+# What the forward keeps of its selection for the backward (``for_backward``), in this order;
+# kept_decay is an empty bool tensor without decay.
+KEPT_FOR_BACKWARD = ("beta_walk", "kept_beta", "kept_write_w", "kept_read_w", "kept_decay")
+
+
+def for_backward(keep: Kept, cleaned: Clean) -> list[Tensor]:
+    """The masks of ``keep`` and the beta of phase 2 (``Clean.beta_walk``): with the raw
+    inputs they give the backward ``reselect``'s selections without recomputing the masks
+    (about thirty small launches and four reductions over [B, T, H, W] on a GPU)."""
+    decay = keep.beta.new_empty(0) if keep.decay is None else keep.decay
+    return [cleaned.beta_walk, keep.beta, keep.write_w, keep.read_w, decay]
+
+
+def reselect(
+    saved: list[Tensor], beta: Tensor, write_w: Tensor, read_w: Tensor, decay: Tensor | None
+) -> tuple[Kept, Clean]:
+    """The forward's ``Kept`` masks and its ``Clean`` inputs from what ``for_backward`` kept
+    and the raw inputs: the same selections as ``clean``'s, so the same values. Only what the
+    backward reads is there (no entry masks, no ``bad_reads``)."""
+    beta_walk, kept_beta, kept_write_w, kept_read_w, kept_decay = saved
+    keep = Kept(
+        beta=kept_beta,
+        write_w=kept_write_w,
+        read_w=kept_read_w,
+        decay=None if decay is None else kept_decay,
+        write_entries=None,
+        read_entries=None,
+    )
+    cleaned = Clean(
+        beta=torch.where(kept_beta, beta, 0.0),
+        beta_walk=beta_walk,
+        write_w=torch.where(kept_write_w, write_w, 0.0),
+        read_w=torch.where(kept_read_w, read_w, 0.0),
+        decay=None if decay is None else torch.where(kept_decay, decay, 1.0),
+        bad_reads=None,
+    )
+    return keep, cleaned

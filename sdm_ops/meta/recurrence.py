@@ -175,7 +175,7 @@ def sparse_delta_memory_fake(a) -> tuple[Tensor, Tensor, list[Tensor]]:
     out, bank_out, *saved = _phase2(
         v, a.write_idx, a.read_idx, prep[2], bank, a.snapshot, seq_chunks, S
     )
-    kept = [*prep, X, QX, *saved]
+    kept = [*prep, X, QX, *saved, *_finite_kept(a.beta, a.write_w, a.read_w, a.decay)]
     if cu_seqlens is not None:
         kept += [chunks, seq_chunks]
     if a.output_final_state:
@@ -184,6 +184,14 @@ def sparse_delta_memory_fake(a) -> tuple[Tensor, Tensor, list[Tensor]]:
     if not numbers_rows(T, W, R, S, a.output_final_state):
         return out, bank.new_empty(0), kept
     return out, bank.new_empty(0), kept + _working_rows(a.write_idx, a.read_idx, bank, cu_seqlens)
+
+
+def _finite_kept(beta, write_w, read_w, decay) -> list[Tensor]:
+    """``_finite.for_backward``'s outputs: phase 2's beta in beta's dtype, then bool masks of
+    beta, write_w, read_w and decay (empty without decay)."""
+    masks = [t.new_empty(t.shape, dtype=torch.bool) for t in (beta, write_w, read_w)]
+    decay = beta.new_empty(0, dtype=torch.bool) if decay is None else decay
+    return [beta.new_empty(beta.shape), *masks, decay.new_empty(decay.shape, dtype=torch.bool)]
 
 
 def _working_rows(write_idx, read_idx, bank, cu_seqlens) -> list[Tensor]:

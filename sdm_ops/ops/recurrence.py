@@ -35,8 +35,9 @@ from .wy_solve import _wy_solve, _wy_solve_backward
 class Phase1(NamedTuple):
     """What phase 1 and the WY solve give phase 2 and its backward (``_phase1``):
     ``chunk_prepare``'s outputs, X and QX (``[lead, H, N, C, C]``, as A), a packed batch's
-    chunk tables (None otherwise), and the beta phase 2 reads (NaN where a token's write side
-    is not finite, ``_finite``)."""
+    chunk tables (None otherwise), the beta phase 2 reads (NaN where a token's write side
+    is not finite, ``_finite``), and what the backward keeps of the selection of finite inputs
+    (``_finite.for_backward``)."""
 
     prep: Prepared
     X: Tensor
@@ -44,6 +45,7 @@ class Phase1(NamedTuple):
     chunks: Tensor | None
     seq_chunks: Tensor | None
     beta: Tensor | None = None
+    finite: list[Tensor] | None = None
 
 
 class Snapshot(NamedTuple):
@@ -57,10 +59,10 @@ class Snapshot(NamedTuple):
 
 
 # What the functional forward keeps for its backward, in the order of its ``kept`` output:
-# phase 1's outputs, the WY solve's and phase 2's saved tensors; then, for a packed batch, its
-# chunk tables (chunks, seq_chunks) and, without the final state, the working set's layout
-# (``working_set.WorkingRows``).
-KEPT_FOR_BACKWARD = (*Prepared._fields, "X", "QX", *Snapshot._fields)
+# phase 1's outputs, the WY solve's and phase 2's saved tensors, the selection of finite inputs
+# (``_finite.for_backward``); then, for a packed batch, its chunk tables (chunks, seq_chunks)
+# and, without the final state, the working set's layout (``working_set.WorkingRows``).
+KEPT_FOR_BACKWARD = (*Prepared._fields, "X", "QX", *Snapshot._fields, *_finite.KEPT_FOR_BACKWARD)
 
 
 def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
@@ -130,7 +132,10 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     prep = prep._replace(gather_r=_finite.poison_reads(prep.gather_r, clean.bad_reads))
     A = prep.A
     X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean.beta, C, chunks), prep.QK.view(-1, C, C))
-    return Phase1(prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks, clean.beta_walk)
+    finite = _finite.for_backward(keep, clean)
+    return Phase1(
+        prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks, clean.beta_walk, finite
+    )
 
 
 def _phase2_(bank: Tensor, v, beta, write_idx, read_idx, p: Phase1) -> Tensor:
@@ -247,7 +252,7 @@ def _sparse_delta_memory(
     )
     if not keep_for_backward:
         return out, bank.new_empty(0), []
-    kept = [*p.prep, p.X, p.QX, *saved]
+    kept = [*p.prep, p.X, p.QX, *saved, *p.finite]
     if cu_seqlens is not None:
         kept += [p.chunks, p.seq_chunks]
     if rows is not None:
@@ -281,14 +286,16 @@ def _unpack_kept(kept: list[Tensor], working: bool):
     """(Phase1, Snapshot, WorkingRows or None) from the forward's ``kept`` tensors (in the order
     of ``KEPT_FOR_BACKWARD``, then the chunk tables, then the working set's layout when
     ``working``)."""
-    n = len(Prepared._fields)
-    prep, (X, QX), saved, tables = kept[:n], kept[n : n + 2], kept[n + 2 : n + 6], kept[n + 6 :]
+    n, m = len(Prepared._fields), len(Prepared._fields) + 2 + len(Snapshot._fields)
+    prep, (X, QX), saved = kept[:n], kept[n : n + 2], kept[n + 2 : m]
+    finite, tables = kept[m : len(KEPT_FOR_BACKWARD)], kept[len(KEPT_FOR_BACKWARD) :]
     rows = None
     if working:
         rows = working_set.WorkingRows(*tables[-3:])
         tables = tables[:-3]
     chunks, seq_chunks = tables or (None, None)
-    return Phase1(Prepared(*prep), X, QX, chunks, seq_chunks), Snapshot(*saved), rows
+    p = Phase1(Prepared(*prep), X, QX, chunks, seq_chunks, finite[0], finite)
+    return p, Snapshot(*saved), rows
 
 
 def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
@@ -313,8 +320,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     write_idx, read_idx = _wide(write_idx), _wide(read_idx)
     decay = None if decay is None else decay.contiguous()
     # What the forward ran on (``_finite``); inputs it selected away get no gradient.
-    selected = _finite.kept(beta, write_idx, write_w, read_idx, read_w, decay, ctx.bank_rows)
-    clean = _finite.clean(selected, beta, write_w, read_w, decay)
+    selected, clean = _finite.reselect(p.finite, beta, write_w, read_w, decay)
     beta, write_w, read_w, decay = clean.beta, clean.write_w, clean.read_w, clean.decay
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
