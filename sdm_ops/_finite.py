@@ -55,13 +55,14 @@ def _finite(x: Tensor) -> Tensor:
 def clean(keep: Kept, beta: Tensor, write_w: Tensor, read_w: Tensor, decay: Tensor | None) -> Clean:
     """The finite inputs of phase 1 and the WY solve (``Clean``) of one call, from the masks of
     what it keeps (``kept``)."""
-    valid_w = keep.write_entries
-    bad_w = valid_w & ~keep.write_w
+    # Each kept mask lies inside its entries' (or, for beta, ``writes``), so an exclusive or
+    # gives the valid entries that were not kept: one launch a mask on a GPU.
+    good_w = keep.write_w if decay is None else keep.write_w & keep.decay
+    bad_w = keep.write_entries ^ good_w
     if decay is not None:
-        bad_w = bad_w | (valid_w & ~keep.decay)
         decay = torch.where(keep.decay, decay, 1.0)
-    write_bad = bad_w.any(-1) | (valid_w.any(-1) & ~keep.beta)
-    bad_r = keep.read_entries & ~keep.read_w
+    write_bad = bad_w.any(-1) | (keep.writes ^ keep.beta)
+    bad_r = keep.read_entries ^ keep.read_w
     bad_reads = keep.read_entries & bad_r.any(-1, keepdim=True)
     beta = torch.where(keep.beta, beta, 0.0)
     return Clean(
@@ -89,8 +90,11 @@ class Kept(NamedTuple):
     write_w: Tensor
     read_w: Tensor
     decay: Tensor | None
-    write_entries: Tensor | None  # the write entries inside [0, S), padding or not (None in
-    read_entries: Tensor | None  # the backward, which does not read them); the same of reads
+    # The write entries inside [0, S), padding or not; the same of the read entries; the
+    # tokens with a write entry inside (None in the backward, which does not read them).
+    write_entries: Tensor | None
+    read_entries: Tensor | None
+    writes: Tensor | None
 
     @staticmethod
     def _keep(mask: Tensor, grad: Tensor) -> Tensor:
@@ -121,13 +125,15 @@ def kept(
     """The masks of what ``clean`` keeps of these inputs."""
     valid_w = (write_idx >= 0) & (write_idx < S)
     valid_r = (read_idx >= 0) & (read_idx < S)
+    writes = valid_w.any(-1)
     return Kept(
-        beta=valid_w.any(-1) & _finite(beta),
+        beta=writes & _finite(beta),
         write_w=valid_w & _finite(write_w),
         read_w=valid_r & _finite(read_w),
         decay=None if decay is None else valid_w & _finite(decay),
         write_entries=valid_w,
         read_entries=valid_r,
+        writes=writes,
     )
 
 
@@ -158,6 +164,7 @@ def reselect(
         decay=None if decay is None else kept_decay,
         write_entries=None,
         read_entries=None,
+        writes=None,
     )
     cleaned = Clean(
         beta=torch.where(kept_beta, beta, 0.0),
