@@ -192,7 +192,7 @@ def test_forward_and_backward_are_bitwise_deterministic_on_cuda():
 
 
 # How far the kernels that skip zero tiles may be from the dense ones, in units of the largest
-# entry: compiled, the two may round the diagonal substitution's sum in another order.
+# entry: compiled, the two may lay out and so round their reductions in another order.
 DENSE_ROUNDING = 2.0**-20
 
 
