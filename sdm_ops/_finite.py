@@ -49,6 +49,10 @@ class Clean(NamedTuple):
 
 
 def _finite(x: Tensor) -> Tensor:
+    # Compared in a 16-bit float's own dtype FLT_MAX rounds to inf, and inf <= inf would keep
+    # an infinite bfloat16 value; every finite 16-bit value is within FLT_MAX.
+    if x.dtype.itemsize < 4:
+        return torch.isfinite(x)
     return x.abs() <= FLT_MAX
 
 

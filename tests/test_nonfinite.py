@@ -230,6 +230,32 @@ def test_a_non_finite_value_reaches_no_earlier_token_and_no_other_stream(kernels
 
 
 @pytest.mark.parametrize("kernels", BACKENDS)
+@pytest.mark.parametrize("what", ["beta", "write_w", "decay", "read_w"])
+def test_an_infinite_bfloat16_value_reaches_no_earlier_token(kernels, what):
+    """bfloat16 inputs, one inf at token 21 of stream (0, 1), mid-chunk at C = 16 (an infinite
+    bfloat16 value must not pass for finite, or the chunk's pair terms carry it to the tokens
+    before it): every earlier output of that stream is finite and within bfloat16 rounding of
+    the same call with that value 0.5, and every other stream is bitwise that call's."""
+    dev = _device(kernels)
+    a = make_sdm_inputs(
+        B=2, T=40, H=2, D=16, S=9, W=3, R=2, seed=6, padding=0.0, dtype=torch.bfloat16, device=dev
+    )
+    t = 21
+    at = (0, t, 1) if what == "beta" else (0, t, 1, 1)
+    finite = {k: x.clone() for k, x in a.items()}
+    finite[what][at] = 0.5
+    a[what][at] = INF
+    out, bank, _ = _call(a, kernels, 16)
+    want, want_bank, _ = _call(finite, kernels, 16)
+    early = out[0, :t, 1]
+    assert bool(early.isfinite().all()), f"{int((~early.isfinite()).sum())} earlier values"
+    assert_close(early, want[0, :t, 1], rtol=2**-6, name="earlier outputs")
+    for b, h in ((0, 0), (1, 0), (1, 1)):
+        _bitwise(out[b, :, h], want[b, :, h], f"out ({b}, {h})")
+        _bitwise(bank[b, h], want_bank[b, h], f"bank ({b}, {h})")
+
+
+@pytest.mark.parametrize("kernels", BACKENDS)
 @pytest.mark.parametrize("C", [16, 64])
 def test_a_non_finite_read_weight_never_reaches_the_bank(kernels, C):
     """NaN read weights (and one whose read reads the row the token writes) leave the final
