@@ -20,6 +20,8 @@ zero would still carry a NaN (0 x NaN is NaN) to every token of the chunk. So:
   non-finite read the later outputs only, and neither an earlier token nor the bank through
   a read.
 
+``select`` gives both in one call; on a GPU it is one kernel (``kernels/finite_select.py``).
+
 Over-approximating within a chunk is what the contract allows (a non-finite value may reach
 everything after it in its stream); what it never does is reach an earlier token, another
 stream, or the bank through a read weight.
@@ -141,25 +143,52 @@ def kept(
     )
 
 
-# What the forward keeps of its selection for the backward (``for_backward``), in this order;
-# kept_decay is an empty bool tensor without decay.
-KEPT_FOR_BACKWARD = ("beta_walk", "kept_beta", "kept_write_w", "kept_read_w", "kept_decay")
+# The outputs of ``select`` (the operator ``sdm_internal::finite_select``), in this order:
+# ``Clean``'s fields, then ``Kept``'s masks. Without decay, decay and kept_decay are empty.
+SELECTED = (
+    "beta",
+    "beta_walk",
+    "write_w",
+    "read_w",
+    "decay",
+    "bad_reads",
+    "kept_beta",
+    "kept_write_w",
+    "kept_read_w",
+    "kept_decay",
+)
+# What the forward keeps of its selection for the backward, in this order (the last five of
+# ``SELECTED``): with the raw inputs they give the backward ``reselect``'s selections without
+# computing the masks again.
+KEPT_FOR_BACKWARD = SELECTED[1:2] + SELECTED[6:]
 
 
-def for_backward(keep: Kept, cleaned: Clean) -> list[Tensor]:
-    """The masks of ``keep`` and the beta of phase 2 (``Clean.beta_walk``): with the raw
-    inputs they give the backward ``reselect``'s selections without recomputing the masks
-    (about thirty small launches and four reductions over [B, T, H, W] on a GPU)."""
-    decay = keep.beta.new_empty(0) if keep.decay is None else keep.decay
-    return [cleaned.beta_walk, keep.beta, keep.write_w, keep.read_w, decay]
+def select(
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    S: int,
+) -> tuple[Tensor, ...]:
+    """``clean``'s inputs and ``kept``'s masks of one call, in the order of ``SELECTED``: the
+    reference of ``sdm_internal::finite_select`` (``kernels/finite_select.py`` is its
+    kernel)."""
+    keep = kept(beta, write_idx, write_w, read_idx, read_w, decay, S)
+    c = clean(keep, beta, write_w, read_w, decay)
+    no_decay = beta.new_empty(0), beta.new_empty(0, dtype=torch.bool)
+    decays = no_decay if decay is None else (c.decay, keep.decay)
+    masks = (keep.beta, keep.write_w, keep.read_w, decays[1])
+    return (c.beta, c.beta_walk, c.write_w, c.read_w, decays[0], c.bad_reads, *masks)
 
 
 def reselect(
     saved: list[Tensor], beta: Tensor, write_w: Tensor, read_w: Tensor, decay: Tensor | None
 ) -> tuple[Kept, Clean]:
-    """The forward's ``Kept`` masks and its ``Clean`` inputs from what ``for_backward`` kept
-    and the raw inputs: the same selections as ``clean``'s, so the same values. Only what the
-    backward reads is there (no entry masks, no ``bad_reads``)."""
+    """The forward's ``Kept`` masks and its ``Clean`` inputs from what it kept
+    (``KEPT_FOR_BACKWARD``) and the raw inputs: the same selections as ``clean``'s, so the
+    same values. Only what the backward reads is there (no entry masks, no ``bad_reads``)."""
     beta_walk, kept_beta, kept_write_w, kept_read_w, kept_decay = saved
     keep = Kept(
         beta=kept_beta,

@@ -48,6 +48,7 @@ _TYPES = {
     torch.int32: "*i32",
     torch.int8: "*i8",
     torch.uint8: "*u8",
+    torch.bool: "*i1",
     torch.float8_e4m3fn: "*fp8e4nv",
 }
 
@@ -292,6 +293,18 @@ _LAYOUT = ("gather_w", "gather_r", "scatter_w", "row_decay", "rank", "read_rank"
 _OUTPUTS = {
     "_bank_copy_kernel": {"dst"},
     "_first_writes_kernel": {"first"},
+    "_finite_select_kernel": {
+        "beta_out",
+        "beta_walk",
+        "write_w_out",
+        "read_w_out",
+        "decay_out",
+        "bad_reads",
+        "kept_beta",
+        "kept_write_w",
+        "kept_read_w",
+        "kept_decay",
+    },
     "_chunk_prepare_kernel": {"A", "QK", *_LAYOUT},
     "_chunk_prepare_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
     "_chunk_sort_kernel": {*_LAYOUT, "shared_count", "compact"},

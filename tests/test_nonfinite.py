@@ -344,3 +344,51 @@ def test_property_padding_is_inert_and_non_finite_values_are_causal(kernels):
         _check_causal(a, out, bank)
 
     check()
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decay", [True, False])
+@pytest.mark.parametrize("W,R", [(3, 2), (8, 8), (1, 5)])
+def test_finite_select_kernel_is_bitwise_the_reference(dtype, decay, W, R):
+    """``sdm_internal::finite_select``'s kernel against ``_finite.select`` (its CPU path) on
+    inputs with padding (negative and past-S indices), tokens with no valid write, NaN, inf
+    and -inf in beta, weights and decays, and the largest finite values: every output
+    bitwise, NaN where the reference has NaN."""
+    from sdm_ops import _finite, ops
+
+    g = torch.Generator().manual_seed(W * 10 + R)
+    B, T, H, S = 2, 37, 3, 11
+
+    def values(*shape):
+        x = torch.randn(*shape, generator=g)
+        pick = torch.rand(*shape, generator=g)
+        x = torch.where(pick < 0.06, NAN, x)
+        x = torch.where((pick >= 0.06) & (pick < 0.1), INF, x)
+        x = torch.where((pick >= 0.1) & (pick < 0.13), -INF, x)
+        x = torch.where((pick >= 0.13) & (pick < 0.15), torch.finfo(dtype).max, x)
+        return x.to(dtype)
+
+    def indices(*shape):
+        idx = torch.randint(-3, S + 3, shape, generator=g)
+        idx[0, :5] = -1  # tokens whose entries are all padding
+        return idx
+
+    args = (
+        values(B, T, H),
+        indices(B, T, H, W),
+        values(B, T, H, W),
+        indices(B, T, H, R),
+        values(B, T, H, R),
+        values(B, T, H, W) if decay else None,
+        S,
+    )
+    want = _finite.select(*args)
+    with on_kernels():
+        moved = [x.to(KERNEL_DEVICE) if isinstance(x, torch.Tensor) else x for x in args]
+        got = ops.finite_select(*moved)
+    assert len(got) == len(want) == len(_finite.SELECTED)
+    for name, x, y in zip(_finite.SELECTED, got, want):
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+        _bitwise(x.cpu(), y, name)
+    assert want[1].isnan().any() and want[5].any(), "the inputs exercise no non-finite value"

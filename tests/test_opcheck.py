@@ -681,6 +681,17 @@ def test_opcheck_varlen_chunks(device, dtype):
     opcheck(ops.varlen_chunks, (cu, 79, 16))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decay", [False, True])
+def test_opcheck_finite_select(device, decay):
+    # Padding and an infinite read weight (a non-finite write would make phase 2's beta NaN,
+    # which opcheck's comparisons take for a difference; tests/test_nonfinite.py checks those).
+    a = make_sdm_inputs(2, 9, 2, 16, 5, 3, 2, seed=34, decay=decay, device=device)
+    a["read_w"][0, 4, 0, 1] = -float("inf")
+    args = tuple(a.get(k) for k in ("beta", "write_idx", "write_w", "read_idx", "read_w", "decay"))
+    opcheck(ops.finite_select, (*args, 5))
+
+
 def recurrence_operands(device, T=21, C=16, packed=False) -> dict:
     """Inputs of the internal recurrence operators by name (decay, per-batch bank, chunk size
     C); with ``packed``, sequences of lengths 0, 5, T and 17 packed into one batch."""

@@ -1,8 +1,9 @@
 """Fakes of the recurrence operators: the public ``sdm::sparse_delta_memory`` and
 ``sdm::sparse_delta_memory_``, and the internal ``sdm_internal::bank_copy``,
-``varlen_chunks``, ``chunk_prepare``, ``recurrence_fwd``, ``recurrence_fwd_``, ``decode_step_``
-and the backwards. Each takes the operator's arguments as one value ``a`` (the operator's
-``Args``, ``ops._define``). Shapes follow the launchers' allocations (all contiguous).
+``varlen_chunks``, ``finite_select``, ``chunk_prepare``, ``recurrence_fwd``,
+``recurrence_fwd_``, ``decode_step_`` and the backwards. Each takes the operator's arguments
+as one value ``a`` (the operator's ``Args``, ``ops._define``). Shapes follow the launchers'
+allocations (all contiguous).
 ``chunks`` and ``seq_chunks`` describe a packed batch (None otherwise)."""
 
 from __future__ import annotations
@@ -186,8 +187,24 @@ def sparse_delta_memory_fake(a) -> tuple[Tensor, Tensor, list[Tensor]]:
     return out, bank.new_empty(0), kept + _working_rows(a.write_idx, a.read_idx, bank, cu_seqlens)
 
 
+def finite_select_fake(a) -> tuple[Tensor, ...]:
+    """``_finite.SELECTED``: beta and phase 2's beta, write_w, read_w and decay (empty without)
+    in their dtypes; bad_reads, bool like read_w; then the masks (``_finite_kept``)."""
+    beta, write_w, read_w, decay = a.beta, a.write_w, a.read_w, a.decay
+    return (
+        beta.new_empty(beta.shape),
+        beta.new_empty(beta.shape),
+        write_w.new_empty(write_w.shape),
+        read_w.new_empty(read_w.shape),
+        beta.new_empty(0) if decay is None else decay.new_empty(decay.shape),
+        read_w.new_empty(read_w.shape, dtype=torch.bool),
+        *_finite_kept(beta, write_w, read_w, decay)[1:],
+    )
+
+
 def _finite_kept(beta, write_w, read_w, decay) -> list[Tensor]:
-    """``_finite.for_backward``'s outputs: phase 2's beta in beta's dtype, then bool masks of
+    """What the forward keeps of its selection of finite inputs (``_finite.KEPT_FOR_BACKWARD``):
+    phase 2's beta in beta's dtype, then bool masks of
     beta, write_w, read_w and decay (empty without decay)."""
     masks = [t.new_empty(t.shape, dtype=torch.bool) for t in (beta, write_w, read_w)]
     decay = beta.new_empty(0, dtype=torch.bool) if decay is None else decay

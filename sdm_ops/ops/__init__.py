@@ -17,7 +17,8 @@ arguments:
 * ``sdm::wy_solve(A, beta, QK) -> (X, QX)``.
 
 Namespace ``sdm_internal`` holds the pieces they run, which take contiguous inputs: the chunk
-tables of a packed batch (``varlen_chunks``), phase 1 (``chunk_prepare``), phase 2
+tables of a packed batch (``varlen_chunks``), the finite inputs of phase 1 (``finite_select``),
+phase 1 (``chunk_prepare``), phase 2
 (``recurrence_fwd``; ``recurrence_fwd_`` in place), the bank copy (``bank_copy``), the decode
 step (``decode_step_``), the backward operators (``wy_solve_backward``,
 ``product_key_topk_backward``, ``recurrence_bwd``, ``chunk_prepare_backward``), the working
@@ -45,6 +46,7 @@ from .phases import (
     chunk_prepare,
     chunk_prepare_backward,
     decode_step_,
+    finite_select,
     recurrence_bwd,
     recurrence_fwd,
     recurrence_fwd_,
@@ -76,6 +78,7 @@ __all__ = [
     "wy_solve_route",
     # sdm_internal::
     "varlen_chunks",
+    "finite_select",
     "chunk_prepare",
     "chunk_prepare_backward",
     "bank_copy",

@@ -1,9 +1,9 @@
 """The recurrence's internal operators (namespace ``sdm_internal``), which the public
 ``sdm::sparse_delta_memory`` and ``sdm::sparse_delta_memory_`` (``ops/recurrence.py``) run:
-the chunk tables of a packed batch (``varlen_chunks``), phase 1 (``chunk_prepare``), the bank
-copy (``bank_copy``), phase 2 (``recurrence_fwd``; ``recurrence_fwd_`` in place), one decode
-step (``decode_step_``), and the backwards (``recurrence_bwd``, ``rows_to_bank``,
-``chunk_prepare_backward``).
+the chunk tables of a packed batch (``varlen_chunks``), the finite inputs of phase 1
+(``finite_select``), phase 1 (``chunk_prepare``), the bank copy (``bank_copy``), phase 2
+(``recurrence_fwd``; ``recurrence_fwd_`` in place), one decode step (``decode_step_``), and the
+backwards (``recurrence_bwd``, ``rows_to_bank``, ``chunk_prepare_backward``).
 
 Each is declared once by its body's signature (``_define.kernel_op``): the kernel path and the
 CPU path take its arguments as one NamedTuple ``a``. The body of operator ``x`` is ``_x``,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import layout, reference, working_set
+from .. import _finite, layout, reference, working_set
 from ..kernels._common import on_device
 from ..layout import SKIP_SNAPSHOT
 from ..meta import recurrence as meta
@@ -69,6 +69,44 @@ def _varlen_chunks_cpu(a) -> tuple[Tensor, Tensor]:
 
 
 varlen_chunks = _varlen_chunks.op
+
+
+# ---------------------------------------------------------------------------
+# sdm_internal::finite_select: phase 1's finite inputs
+# ---------------------------------------------------------------------------
+
+
+@kernel_op("sdm_internal::finite_select", on="write_idx", fake=meta.finite_select_fake)
+def _finite_select(
+    beta: Tensor,
+    write_idx: Tensor,
+    write_w: Tensor,
+    read_idx: Tensor,
+    read_w: Tensor,
+    decay: Tensor | None,
+    bank_rows: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The finite inputs of phase 1 and the WY solve and the masks of what they keep, in the
+    order of ``_finite.SELECTED`` (without decay, decay and its mask are empty); see
+    ``sdm_ops/_finite.py`` for the rules and ``kernels/finite_select.py``."""
+
+
+@_finite_select.kernels
+def _finite_select_kernels(a) -> tuple[Tensor, ...]:
+    from ..kernels import finite_select as k
+
+    outs = meta.finite_select_fake(a)
+    with on_device(a.write_idx):
+        k.finite_select(*a, outs)
+    return outs
+
+
+@_finite_select.reference
+def _finite_select_cpu(a) -> tuple[Tensor, ...]:
+    return _finite.select(*a)
+
+
+finite_select = _finite_select.op
 
 
 # ---------------------------------------------------------------------------

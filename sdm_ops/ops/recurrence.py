@@ -23,6 +23,7 @@ from .phases import (
     _chunk_prepare,
     _chunk_prepare_backward,
     _decode_step,
+    _finite_select,
     _recurrence_bwd,
     _recurrence_fwd,
     _recurrence_fwd_,
@@ -37,7 +38,7 @@ class Phase1(NamedTuple):
     ``chunk_prepare``'s outputs, X and QX (``[lead, H, N, C, C]``, as A), a packed batch's
     chunk tables (None otherwise), the beta phase 2 reads (NaN where a token's write side
     is not finite, ``_finite``), and what the backward keeps of the selection of finite inputs
-    (``_finite.for_backward``)."""
+    (``_finite.KEPT_FOR_BACKWARD``)."""
 
     prep: Prepared
     X: Tensor
@@ -60,7 +61,7 @@ class Snapshot(NamedTuple):
 
 # What the functional forward keeps for its backward, in the order of its ``kept`` output:
 # phase 1's outputs, the WY solve's and phase 2's saved tensors, the selection of finite inputs
-# (``_finite.for_backward``); then, for a packed batch, its chunk tables (chunks, seq_chunks)
+# (``_finite.KEPT_FOR_BACKWARD``); then, for a packed batch, its chunk tables (chunks, seq_chunks)
 # and, without the final state, the working set's layout (``working_set.WorkingRows``).
 KEPT_FOR_BACKWARD = (*Prepared._fields, "X", "QX", *Snapshot._fields, *_finite.KEPT_FOR_BACKWARD)
 
@@ -122,20 +123,19 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     chunks, seq_chunks = (
         (None, None) if cu_seqlens is None else _varlen_chunks(cu_seqlens, v.shape[1], C)
     )
-    keep = _finite.kept(beta, write_idx, write_w, read_idx, read_w, decay, S)
-    clean = _finite.clean(keep, beta, write_w, read_w, decay)
+    selected = _finite_select(beta, write_idx, write_w, read_idx, read_w, decay, S)
+    clean_beta, beta_walk, clean_write_w, clean_read_w, clean_decay, bad_reads = selected[:6]
+    clean_decay = None if decay is None else clean_decay
     prep = Prepared(
         *_chunk_prepare(
-            write_idx, clean.write_w, read_idx, clean.read_w, clean.decay, S, C, chunks, seq_chunks
+            write_idx, clean_write_w, read_idx, clean_read_w, clean_decay, S, C, chunks, seq_chunks
         )
     )
-    prep = prep._replace(gather_r=_finite.poison_reads(prep.gather_r, clean.bad_reads))
+    prep = prep._replace(gather_r=_finite.poison_reads(prep.gather_r, bad_reads))
     A = prep.A
-    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean.beta, C, chunks), prep.QK.view(-1, C, C))
-    finite = _finite.for_backward(keep, clean)
-    return Phase1(
-        prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks, clean.beta_walk, finite
-    )
+    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean_beta, C, chunks), prep.QK.view(-1, C, C))
+    finite = [beta_walk, *selected[6:]]  # _finite.KEPT_FOR_BACKWARD
+    return Phase1(prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks, beta_walk, finite)
 
 
 def _phase2_(bank: Tensor, v, beta, write_idx, read_idx, p: Phase1) -> Tensor:
