@@ -13,9 +13,9 @@ finite (|x| <= FLT_MAX; beta: when the token has a valid write entry and beta is
     bad_reads  = the valid read entries of a token with a valid read entry whose weight is not
                  finite
 
-What it replaces: about thirty small elementwise launches and three reductions over
-[B, T, H, W] in eager PyTorch, each reading and writing its own temporaries; here each input is
-read once and each output written once.
+Why a kernel: in eager PyTorch (``_finite.select``, the CPU path) the same selection takes
+about thirty small elementwise launches and three reductions over [B, T, H, W], each reading and
+writing its own temporaries; here each input is read once and each output written once.
 
 Layout: every tensor contiguous, [N] (beta and its outputs), [N, W] (write side) or [N, R]
 (read side); indices int64; the masks bool. Grid: one program per BN tokens, [BN, WP] and
