@@ -204,8 +204,8 @@ def finite_select_fake(a) -> tuple[Tensor, ...]:
 
 def _finite_kept(beta, write_w, read_w, decay) -> list[Tensor]:
     """What the forward keeps of its selection of finite inputs (``_finite.KEPT_FOR_BACKWARD``):
-    phase 2's beta in beta's dtype, then bool masks of
-    beta, write_w, read_w and decay (empty without decay)."""
+    phase 2's beta in beta's dtype, then bool masks of beta, write_w, read_w and decay (empty
+    without decay)."""
     masks = [t.new_empty(t.shape, dtype=torch.bool) for t in (beta, write_w, read_w)]
     decay = beta.new_empty(0, dtype=torch.bool) if decay is None else decay
     return [beta.new_empty(beta.shape), *masks, decay.new_empty(decay.shape, dtype=torch.bool)]
