@@ -157,10 +157,11 @@ SELECTED = (
     "kept_read_w",
     "kept_decay",
 )
-# What the forward keeps of its selection for the backward, in this order (the last five of
-# ``SELECTED``): with the raw inputs they give the backward ``reselect``'s selections without
-# computing the masks again.
-KEPT_FOR_BACKWARD = SELECTED[1:2] + SELECTED[6:]
+# What the forward keeps of its selection for the backward, in this order (``SELECTED`` but
+# bad_reads): the clean inputs its phase 1 and WY solve ran on, which their backwards take, and
+# the masks of what was kept, which pass the gradients (``reselect``). The raw inputs are not
+# needed again.
+KEPT_FOR_BACKWARD = SELECTED[:5] + SELECTED[6:]
 
 
 def select(
@@ -183,28 +184,28 @@ def select(
     return (c.beta, c.beta_walk, c.write_w, c.read_w, decays[0], c.bad_reads, *masks)
 
 
-def reselect(
-    saved: list[Tensor], beta: Tensor, write_w: Tensor, read_w: Tensor, decay: Tensor | None
-) -> tuple[Kept, Clean]:
+def reselect(saved: list[Tensor], has_decay: bool) -> tuple[Kept, Clean]:
     """The forward's ``Kept`` masks and its ``Clean`` inputs from what it kept
-    (``KEPT_FOR_BACKWARD``) and the raw inputs: the same selections as ``clean``'s, so the
-    same values. Only what the backward reads is there (no entry masks, no ``bad_reads``)."""
-    beta_walk, kept_beta, kept_write_w, kept_read_w, kept_decay = saved
+    (``KEPT_FOR_BACKWARD``). Only what the backward reads is there (no entry masks, no
+    ``bad_reads``)."""
+    beta, beta_walk, write_w, read_w, decay, kept_beta, kept_write_w, kept_read_w, kept_decay = (
+        saved
+    )
     keep = Kept(
         beta=kept_beta,
         write_w=kept_write_w,
         read_w=kept_read_w,
-        decay=None if decay is None else kept_decay,
+        decay=kept_decay if has_decay else None,
         write_entries=None,
         read_entries=None,
         writes=None,
     )
     cleaned = Clean(
-        beta=torch.where(kept_beta, beta, 0.0),
+        beta=beta,
         beta_walk=beta_walk,
-        write_w=torch.where(kept_write_w, write_w, 0.0),
-        read_w=torch.where(kept_read_w, read_w, 0.0),
-        decay=None if decay is None else torch.where(kept_decay, decay, 1.0),
+        write_w=write_w,
+        read_w=read_w,
+        decay=decay if has_decay else None,
         bad_reads=None,
     )
     return keep, cleaned

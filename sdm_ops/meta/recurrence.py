@@ -198,17 +198,20 @@ def finite_select_fake(a) -> tuple[Tensor, ...]:
         read_w.new_empty(read_w.shape),
         beta.new_empty(0) if decay is None else decay.new_empty(decay.shape),
         read_w.new_empty(read_w.shape, dtype=torch.bool),
-        *_finite_kept(beta, write_w, read_w, decay)[1:],
+        *_finite_kept(beta, write_w, read_w, decay)[5:],
     )
 
 
 def _finite_kept(beta, write_w, read_w, decay) -> list[Tensor]:
     """What the forward keeps of its selection of finite inputs (``_finite.KEPT_FOR_BACKWARD``):
-    phase 2's beta in beta's dtype, then bool masks of beta, write_w, read_w and decay (empty
-    without decay)."""
+    the clean beta, phase 2's beta, the clean write_w, read_w and decay (empty in beta's dtype
+    without decay), each in its input's dtype, then bool masks of beta, write_w, read_w and
+    decay (empty without decay)."""
+    values = [t.new_empty(t.shape) for t in (beta, beta, write_w, read_w)]
+    values.append(beta.new_empty(0) if decay is None else decay.new_empty(decay.shape))
     masks = [t.new_empty(t.shape, dtype=torch.bool) for t in (beta, write_w, read_w)]
     decay = beta.new_empty(0, dtype=torch.bool) if decay is None else decay
-    return [beta.new_empty(beta.shape), *masks, decay.new_empty(decay.shape, dtype=torch.bool)]
+    return [*values, *masks, decay.new_empty(decay.shape, dtype=torch.bool)]
 
 
 def _working_rows(write_idx, read_idx, bank, cu_seqlens) -> list[Tensor]:

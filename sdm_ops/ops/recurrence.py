@@ -134,7 +134,7 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     prep = prep._replace(gather_r=_finite.poison_reads(prep.gather_r, bad_reads))
     A = prep.A
     X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean_beta, C, chunks), prep.QK.view(-1, C, C))
-    finite = [beta_walk, *selected[6:]]  # _finite.KEPT_FOR_BACKWARD
+    finite = [*selected[:5], *selected[6:]]  # _finite.KEPT_FOR_BACKWARD
     return Phase1(prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks, beta_walk, finite)
 
 
@@ -278,8 +278,11 @@ def _sparse_delta_memory_setup(ctx, inputs, keyword_only_inputs, output):
     ctx.working_set = working_set.numbers_rows(T, W, R, bank.shape[-2], ctx.final_state)
     ctx.chunk_size, ctx.snapshot, ctx.bank_rows = chunk_size, snapshot, bank.shape[-2]
     ctx.v_dtype, ctx.bank_meta = v.dtype, (bank.dim(), bank.dtype)
+    ctx.has_decay = decay is not None
     if ctx.keep_for_backward:
-        ctx.save_for_backward(beta, write_idx, write_w, read_idx, read_w, decay, *kept)
+        # The float inputs themselves are not kept: ``kept`` holds the clean values the forward
+        # ran on, which the backward takes (``_finite.KEPT_FOR_BACKWARD``).
+        ctx.save_for_backward(write_idx, read_idx, *kept)
 
 
 def _unpack_kept(kept: list[Tensor], working: bool):
@@ -294,7 +297,7 @@ def _unpack_kept(kept: list[Tensor], working: bool):
         rows = working_set.WorkingRows(*tables[-3:])
         tables = tables[:-3]
     chunks, seq_chunks = tables or (None, None)
-    p = Phase1(Prepared(*prep), X, QX, chunks, seq_chunks, finite[0], finite)
+    p = Phase1(Prepared(*prep), X, QX, chunks, seq_chunks, finite[1], finite)
     return p, Snapshot(*saved), rows
 
 
@@ -310,17 +313,13 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
             "a backward; call it with keep_for_backward=True to differentiate it "
             "(sdm_ops.sparse_delta_memory does so whenever an input requires grad)"
         )
-    beta, write_idx, write_w, read_idx, read_w, decay, *kept = ctx.saved_tensors
+    write_idx, read_idx, *kept = ctx.saved_tensors
     p, saved, rows = _unpack_kept(kept, ctx.working_set)
     if dbank_out is not None and dbank_out.numel() == 0:  # no final state was returned
         dbank_out = None
-    beta, write_idx, write_w, read_idx, read_w = (
-        t.contiguous() for t in (beta, write_idx, write_w, read_idx, read_w)
-    )
-    write_idx, read_idx = _wide(write_idx), _wide(read_idx)
-    decay = None if decay is None else decay.contiguous()
+    write_idx, read_idx = _wide(write_idx.contiguous()), _wide(read_idx.contiguous())
     # What the forward ran on (``_finite``); inputs it selected away get no gradient.
-    selected, clean = _finite.reselect(p.finite, beta, write_w, read_w, decay)
+    selected, clean = _finite.reselect(p.finite, ctx.has_decay)
     beta, write_w, read_w, decay = clean.beta, clean.write_w, clean.read_w, clean.decay
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
