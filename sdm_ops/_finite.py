@@ -159,8 +159,8 @@ SELECTED = (
 )
 # What the forward keeps of its selection for the backward, in this order (``SELECTED`` but
 # bad_reads): the clean inputs its phase 1 and WY solve ran on, which their backwards take, and
-# the masks of what was kept, which pass the gradients (``reselect``). The raw inputs are not
-# needed again.
+# the masks of what was kept, which pass the gradients (``kept_selection``). The raw inputs
+# are not needed again.
 KEPT_FOR_BACKWARD = SELECTED[:5] + SELECTED[6:]
 
 
@@ -184,7 +184,7 @@ def select(
     return (c.beta, c.beta_walk, c.write_w, c.read_w, decays[0], c.bad_reads, *masks)
 
 
-def reselect(saved: list[Tensor], has_decay: bool) -> tuple[Kept, Clean]:
+def kept_selection(saved: list[Tensor], has_decay: bool) -> tuple[Kept, Clean]:
     """The forward's ``Kept`` masks and its ``Clean`` inputs from what it kept
     (``KEPT_FOR_BACKWARD``). Only what the backward reads is there (no entry masks, no
     ``bad_reads``)."""

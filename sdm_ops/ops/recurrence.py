@@ -319,7 +319,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
         dbank_out = None
     write_idx, read_idx = _wide(write_idx.contiguous()), _wide(read_idx.contiguous())
     # What the forward ran on (``_finite``); inputs it selected away get no gradient.
-    selected, clean = _finite.reselect(p.finite, ctx.has_decay)
+    selected, clean = _finite.kept_selection(p.finite, ctx.has_decay)
     beta, write_w, read_w, decay = clean.beta, clean.write_w, clean.read_w, clean.decay
     # Which of (v, beta, write_idx, write_w, read_idx, read_w, bank, decay) need a gradient (the
     # dispatcher passes no argument left at its default, so the tuple may be shorter).
