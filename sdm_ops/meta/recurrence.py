@@ -188,18 +188,10 @@ def sparse_delta_memory_fake(a) -> tuple[Tensor, Tensor, list[Tensor]]:
 
 
 def finite_select_fake(a) -> tuple[Tensor, ...]:
-    """``_finite.SELECTED``: beta and phase 2's beta, write_w, read_w and decay (empty without)
-    in their dtypes; bad_reads, bool like read_w; then the masks (``_finite_kept``)."""
-    beta, write_w, read_w, decay = a.beta, a.write_w, a.read_w, a.decay
-    return (
-        beta.new_empty(beta.shape),
-        beta.new_empty(beta.shape),
-        write_w.new_empty(write_w.shape),
-        read_w.new_empty(read_w.shape),
-        beta.new_empty(0) if decay is None else decay.new_empty(decay.shape),
-        read_w.new_empty(read_w.shape, dtype=torch.bool),
-        *_finite_kept(beta, write_w, read_w, decay)[5:],
-    )
+    """``_finite.SELECTED``: what the forward keeps of it (``_finite_kept``) with bad_reads,
+    bool like read_w, after the five values."""
+    kept = _finite_kept(a.beta, a.write_w, a.read_w, a.decay)
+    return (*kept[:5], a.read_w.new_empty(a.read_w.shape, dtype=torch.bool), *kept[5:])
 
 
 def _finite_kept(beta, write_w, read_w, decay) -> list[Tensor]:
