@@ -1,9 +1,10 @@
 """Types and constants shared by the operators, the reference, the kernels and the fakes.
 
-``Prepared`` is the ``sdm_internal::chunk_prepare`` operator's output contract and
-``ChunkWeights`` the per-chunk form the reference builds it from; the snapshot constants fix
-the storage of the chunk-start bank rows that the forward keeps for the backward. The module
-imports no torch, so that the commands' argument parsers can name the supported sizes.
+``Prepared`` and ``PairLists`` are the ``sdm_internal::chunk_prepare`` operator's output
+contract and ``ChunkWeights`` the per-chunk form the reference builds ``Prepared`` from; the
+snapshot constants fix the storage of the chunk-start bank rows that the forward keeps for the
+backward. The module imports no torch, so that the commands' argument parsers can name the
+supported sizes.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ __all__ = [
     "HEAD_DIMS",
     "INT4_MAX",
     "MAX_ENTRIES",
+    "PAIR_POSITIONS_MAX",
     "QUANT_GROUP",
     "SKIP_SNAPSHOT",
     "SNAPSHOT_MODES",
     "ChunkWeights",
+    "PairLists",
     "Prepared",
+    "pair_positions",
 ]
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -35,6 +39,18 @@ SKIP_SNAPSHOT = "skip"
 QUANT_GROUP = 16  # columns sharing one scale in the fp8 and int4 snapshots
 FP8_MAX = 448.0  # largest float8_e4m3fn
 INT4_MAX = 7.0  # int4 codes are round(x / scale) in [-7, 7], stored + 8
+# Phase 1's sparse path runs when a chunk has at most this many entry positions.
+PAIR_POSITIONS_MAX = 2048
+
+
+def pair_positions(W: int, R: int, C: int) -> int:
+    """Entry positions a chunk has on phase 1's sparse path, 2 EM C with EM the next power of
+    2 of max(W, R) (a token's write entries, then its read entries), or 0 where there are more
+    than ``PAIR_POSITIONS_MAX`` (no sparse path): the last dimension of the pair lists that
+    ``sdm_internal::chunk_prepare`` returns for its backward."""
+    em = 1 << (max(W, R, 1) - 1).bit_length()
+    n = 2 * em * C
+    return n if n <= PAIR_POSITIONS_MAX else 0
 
 
 class Prepared(NamedTuple):
@@ -53,6 +69,22 @@ class Prepared(NamedTuple):
     row_decay: Tensor
     rank: Tensor
     read_rank: Tensor
+
+
+class PairLists(NamedTuple):
+    """What phase 1's sparse path sorted, for its backward, which then does not sort again
+    (``sdm_internal::chunk_prepare``'s last two outputs; P streams, N chunks or chunk slots).
+
+    count: [P, N] int32, the chunk's entries that share a hash bucket with another (the pairs
+    kernels' compact list), or -1 where the dense kernels take the chunk: a bucket of more
+    entries than the pairs kernels' window, or no sparse path. The backward is right for any
+    chunk marked -1, so all -1 is a valid table (the CPU twin's).
+    entries: [P, N, pair_positions(W, R, C)] int32, the chunk's entry positions, the compact
+    list first (in hash-bucket order), then the others.
+    """
+
+    count: Tensor
+    entries: Tensor
 
 
 class ChunkWeights(NamedTuple):

@@ -53,7 +53,9 @@ def _prepare(a, C, cu=None):
     return prep, tables
 
 
-def _prepare_backward(a, grads, tables):
+def _prepare_backward(a, grads, pairs, tables):
+    """Phase 1's backward on the kernels; ``pairs``: the forward's ``layout.PairLists`` (the
+    last two outputs of ``chunk_prepare``)."""
     S = a["bank"].shape[-2]
     with on_kernels(), torch.no_grad():
         return ops.chunk_prepare_backward(
@@ -64,6 +66,7 @@ def _prepare_backward(a, grads, tables):
             a.get("decay"),
             S,
             *grads,
+            *pairs,
             *tables,
         )
 
@@ -96,7 +99,7 @@ def _check(a, C, cu=None, seed=0):
             assert_close(got, want, rtol=1e-5, name=name)
         else:
             assert torch.equal(got.cpu().long(), want.long()), name
-    got_grads = _prepare_backward(a, grads, tables)
+    got_grads = _prepare_backward(a, grads, prep[8:], tables)
     for name, got, want in zip(("d_write_w", "d_read_w", "d_decay"), got_grads, expected_grads):
         if want is not None:
             assert_close(got, want, rtol=1e-5, name=name)
@@ -121,7 +124,70 @@ def test_phase1_and_backward_match_float64_on_both_paths(heavy_flags, compact, c
     if compact == 0:
         assert seen == [None, None], "COMPACT=0 must turn the sparse path off"
     else:
-        assert torch.equal(seen[0], seen[1]), "forward and backward split chunks differently"
+        prep, _ = _prepare(a, 16)
+        _check_pair_lists(a, 16, compact, *prep[8:])
+
+
+def _check_pair_lists(a, C, MC, count, entries):
+    """The forward's ``layout.PairLists`` against a sort of every chunk in torch: each chunk's
+    entries are a permutation of its positions, the first ``count`` of them exactly those that
+    share a hash bucket with another valid entry, in (bucket, position) order; count is -1
+    where a bucket holds more than MC entries."""
+    B, T, H, W = a["write_idx"].shape
+    R = a["read_idx"].shape[-1]
+    S = a["bank"].shape[-2]
+    NP = entries.shape[-1]
+    EM = NP // (2 * C)
+    KB = NP.bit_length() - 1
+    none = (1 << (30 - KB)) - 1
+    pos = torch.arange(NP)
+    tok, side, j = pos // (2 * EM), (pos // EM) % 2, pos % EM
+    count, entries = count.cpu(), entries.cpu()
+    for p in range(B * H):
+        b, h = divmod(p, H)
+        for n in range(-(-T // C)):
+            t = n * C + tok
+            exists = (t < T) & (j < torch.where(side == 1, R, W))
+            tc = t.clamp(max=T - 1)
+            raw = torch.where(
+                side == 1,
+                a["read_idx"][b, tc, h, j.clamp(max=R - 1)].cpu().long(),
+                a["write_idx"][b, tc, h, j.clamp(max=W - 1)].cpu().long(),
+            )
+            valid = exists & (raw >= 0) & (raw < S)
+            bucket = ((raw * 0x9E3779B1) >> 20) & none
+            bucket = torch.where(bucket == none, 0, bucket)
+            bucket = torch.where(valid, bucket, none)
+            sizes = torch.bincount(bucket, minlength=none + 1)[bucket]
+            shared = valid & (sizes > 1)
+            heavy = bool((valid & (sizes > MC)).any())
+            order = torch.argsort(bucket * NP + pos)
+            want = order[shared[order]]
+            row = entries[p, n]
+            assert torch.equal(row.sort().values, pos.int()), (p, n)
+            assert count[p, n] == (-1 if heavy else len(want)), (p, n)
+            assert torch.equal(row[: len(want)].long(), want), (p, n)
+
+
+@pytest.mark.parametrize("marked", [0.0, 0.5, 1.0])
+def test_backward_is_right_with_any_chunks_marked_for_the_dense_kernels(marked):
+    """The backward takes the forward's pair lists as given: a chunk marked -1 goes to the
+    dense kernels whatever the forward found (the CPU twin marks every chunk so), the others
+    to the lone-entry kernel and the pairs' backward, which overwrites the lone gradients of
+    the compact list's entries."""
+    a = make_sdm_inputs(B=2, H=2, D=16, T=61, W=4, R=4, S=150, seed=9, device=KERNEL_DEVICE)
+    C = 16
+    prep, tables = _prepare(a, C)
+    count, entries = prep[8:]
+    pick = torch.rand(count.shape, generator=torch.Generator().manual_seed(9)) < marked
+    count = torch.where(pick.to(count.device), -1, count)
+    gen = torch.Generator().manual_seed(10)
+    grads = [torch.randn(t.shape, generator=gen).to(t.device) for t in prep[:6]]
+    _, expected = _reference(a, C, grads)
+    got = _prepare_backward(a, grads, (count, entries), tables)
+    assert expected[2] is not None  # with decay
+    for name, x, want in zip(("d_write_w", "d_read_w", "d_decay"), got, expected):
+        assert_close(x, want, rtol=1e-5, name=name)
 
 
 def test_the_paths_split_chunks_and_both_run(heavy_flags, monkeypatch):
@@ -248,5 +314,6 @@ def test_out_of_range_indices_act_as_padding_on_both_paths(heavy_flags, compact)
         assert torch.equal(x, y), name
     gen = torch.Generator().manual_seed(7)
     grads = [torch.randn(t.shape, generator=gen).to(t.device) for t in prep[:6]]
-    for x, y in zip(_prepare_backward(a, grads, tables), _prepare_backward(clean, grads, tables)):
+    got = _prepare_backward(a, grads, prep[8:], tables)
+    for x, y in zip(got, _prepare_backward(clean, grads, prep_c[8:], tables)):
         assert torch.equal(x, y)

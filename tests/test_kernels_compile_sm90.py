@@ -309,7 +309,7 @@ _OUTPUTS = {
     "_chunk_prepare_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
     "_chunk_sort_kernel": {*_LAYOUT, "shared_count", "compact"},
     "_chunk_pairs_kernel": {"A", "QK", *_LAYOUT},
-    "_chunk_sort_bwd_kernel": {"d_write_w", "d_decay", "d_read_w", "shared_count", "compact"},
+    "_chunk_lone_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
     "_chunk_pairs_bwd_kernel": {"d_write_w", "d_decay", "d_read_w"},
     "_recurrence_fwd_kernel": {
         "bank",

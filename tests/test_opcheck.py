@@ -33,7 +33,7 @@ from torch.testing._internal.optests import generate_opcheck_tests
 
 import sdm_ops
 from sdm_ops import ops
-from sdm_ops.layout import QUANT_GROUP, Prepared
+from sdm_ops.layout import QUANT_GROUP, PairLists, Prepared
 from sdm_ops.ops.recurrence import _chunk_betas
 from sdm_ops.reference import (
     dequantize_rows,
@@ -134,7 +134,8 @@ def chunk_start_rows(args: dict, chunk_size: int) -> torch.Tensor:
 
 def recurrence_values(args: dict, chunk_size: int) -> dict:
     """``args`` plus everything the internal recurrence operators take, by argument name:
-    phase 1 (``chunk_prepare``, outputs named as ``reference.Prepared``), the WY solve (X, QX),
+    phase 1 (``chunk_prepare``, outputs named as ``reference.Prepared``, then ``pair_count`` and
+    ``pair_entries``), the WY solve (X, QX),
     ``bank_rows`` and ``chunk_size``."""
     a = {k: v.contiguous() for k, v in args.items()}
     C, T = chunk_size, a["beta"].shape[1]
@@ -150,8 +151,9 @@ def recurrence_values(args: dict, chunk_size: int) -> dict:
         seq_chunks=seq_chunks,
     )
     prep = ops.chunk_prepare(*op_args(ops.chunk_prepare, values))
-    assert len(prep) == len(Prepared._fields), "chunk_prepare no longer returns Prepared"
-    values.update(zip(Prepared._fields, prep))
+    names = Prepared._fields + tuple("pair_" + f for f in PairLists._fields)
+    assert len(prep) == len(names), "chunk_prepare no longer returns Prepared and PairLists"
+    values.update(zip(names, prep))
     X, QX = ops.wy_solve(
         values["A"].reshape(-1, C, C),
         _chunk_betas(a["beta"], C, chunks),

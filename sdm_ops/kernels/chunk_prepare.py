@@ -29,17 +29,17 @@ are [1, H, NC, C, C], and the grid is (NC, H, C // BJ); an unused slot has no to
 tiles are written zero.
 
 Two paths compute it. The sparse path (``chunk_prepare_sparse``: a sort kernel and pairs
-kernels per direction) pairs only the entries that share a slot, which in a large bank are
-few, a window of whole hash buckets at a time; it takes every chunk whose buckets hold at most MC
-entries each. The dense kernels below take the rest ("heavy" chunks; every chunk where the
-geometry has no sparse path): grid (N, B * H, C // BJ), a program
-owns BJ tokens ("own" entries: their W write and R read entries) of one chunk and walks the
-chunk's C tokens in order, matching each token's entries against its own, and writes the
-columns of its tokens in A and QK and its entries' weights. Launched after the sparse path,
-a dense kernel has at most STRIDED_PROGRAMS_PER_SM programs an SM, each walking every G-th
-chunk and taking a heavy one whole, BJ tokens at a time. On either path each output element
-has one writer and every sum and product runs in a fixed order, so the result is bitwise
-deterministic.
+kernels; the backward reads the forward's sort, ``layout.PairLists``) pairs only the entries
+that share a slot, which in a large bank are few, a window of whole hash buckets at a time; it
+takes every chunk whose buckets hold at most MC entries each. The dense kernels below take the
+rest ("heavy" chunks; every chunk where the geometry has no sparse path): grid
+(N, B * H, C // BJ), a program owns BJ tokens ("own" entries: their W write and R read entries)
+of one chunk and walks the chunk's C tokens in order, matching each token's entries against its
+own, and writes the columns of its tokens in A and QK and its entries' weights. Launched after
+the sparse path, a dense kernel has at most STRIDED_PROGRAMS_PER_SM programs an SM, each
+walking every G-th chunk and taking a heavy one whole, BJ tokens at a time. On either path each
+output element has one writer and every sum and product runs in a fixed order, so the result is
+bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -281,8 +281,11 @@ def chunk_prepare(
     row_decay,
     rank,
     read_rank,
+    pair_count,
+    pair_entries,
 ) -> None:
-    """Launch phase 1; see the module docstring for the operands (all contiguous)."""
+    """Launch phase 1; see the module docstring for the operands (all contiguous), and
+    ``layout.PairLists`` for ``pair_count`` and ``pair_entries``, which it writes."""
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     C = chunk_size
@@ -306,7 +309,8 @@ def chunk_prepare(
         read_rank,
     )
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
+    pairs = (pair_count, pair_entries)
+    shared = sparse_launch(False, common, W, R, C, N, P, T, H, bank_rows, flags, pairs)
     wp, rp, bj = chunk_prepare_geometry(W, R, C)
     grid = (N, P, C // bj) if shared is None else strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_kernel)[grid](
@@ -608,10 +612,13 @@ def chunk_prepare_bwd(
     d_write_w,
     d_decay,
     d_read_w,
+    pair_count,
+    pair_entries,
     chunks=None,
 ) -> None:
     """Launch the phase-1 backward (see above); dA, dQK [B, H, N, C, C] float32 and the
-    per-entry gradients float32, all contiguous; d_decay is ignored without decay."""
+    per-entry gradients float32, all contiguous; d_decay is ignored without decay;
+    ``pair_count`` and ``pair_entries`` what the forward sorted (``layout.PairLists``)."""
     B, T, H, W = write_idx.shape
     R = read_idx.shape[-1]
     C = dA.shape[-1]
@@ -636,7 +643,8 @@ def chunk_prepare_bwd(
         d_read_w,
     )
     flags = dict(HAS_DECAY=decay is not None, VARLEN=chunks is not None)
-    shared = sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags, write_idx.device)
+    pairs = (pair_count, pair_entries)
+    shared = sparse_launch(True, common, W, R, C, N, P, T, H, bank_rows, flags, pairs)
     wp, rp, bj = chunk_prepare_bwd_geometry(W, R, C)
     grid = (N, P, C // bj) if shared is None else strided_grid(N, P, write_idx.device) + (1,)
     wrap_triton(_chunk_prepare_bwd_kernel)[grid](

@@ -7,7 +7,7 @@ in a large bank few entries share one (at S = 65536, about 1.5% of a chunk's 102
 The sparse path runs two kernels per chunk before the dense kernels (launched with SPARSE),
 which then do only the chunks it leaves them.
 
-1. Sort (``_chunk_sort_kernel``, and its backward twin, here): an entry's position
+1. Sort (``_chunk_sort_kernel``, here): an entry's position
    p = tok * 2 EM + side * EM + j (side 0 for write entries, 1 for read entries,
    EM = max(WP, RP)) puts a token's write entries before its reads and tokens in order. The
    chunk's NP entries are sorted by (hash of the slot, p) as int32 keys hash << KB | p; an
@@ -16,56 +16,69 @@ which then do only the chunks it leaves them.
    scatter_w = w, row_decay = d, rank 0 (gradients dw = dgw d + dsw, dd = dgw w + drd); a
    lone read entry has gather_r = w, read_rank 0 (dw = dgr). The kernel writes those, and the
    positions of the others ("shared", m of them, in sorted order, so that a bucket's entries
-   are side by side) into the chunk's compact list. A chunk with a bucket of more than MC
-   entries is "heavy": its count is stored as -1 and the dense kernels take it whole.
+   are side by side) into the chunk's compact list, followed by the lone entries' positions.
+   A chunk with a bucket of more than MC entries is "heavy": its count is stored as -1 and the
+   dense kernels take it whole.
 2. Pairs (``chunk_prepare_pairs``) form everything of the compact list's entries, a window of
    whole buckets at a time.
+
+The forward's sort outputs (the counts, and every chunk's positions: the compact list, then
+the rest) are phase 1's ``layout.PairLists``, which the backward takes instead of sorting again:
+its first kernel (``_chunk_lone_bwd_kernel``) forms the lone entries' gradients of every
+entry of a chunk that is not heavy, in position order, and the pairs' backward then overwrites
+those of the compact list's entries.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from ..layout import pair_positions
 from ._tiles import dense_chunk, entry_position, slot_bucket
 from .chunk_prepare_pairs import pairs_launch
 
 COMPACT = 32  # MC: the pairs kernel's window, the largest bucket it takes (a power of 2)
-SPARSE_ENTRIES = 2048  # the sparse path runs when a chunk has at most this many entry positions
 _SORT_WARPS = 4
+_LONE_WARPS = 4
 
 
 def sparse_geometry(W: int, R: int, C: int) -> tuple[int, int, int, int] | None:
     """(EM, NP, KB, MC) of the sparse path: entries per token side, entry positions per chunk
-    (2 ** KB) and window size; None when the sparse path is off (COMPACT < 16) or a chunk has
-    too many positions for it."""
-    em = triton.next_power_of_2(max(W, R, 1))
-    np_ = 2 * em * C
-    if np_ > SPARSE_ENTRIES or COMPACT < 16:
+    (2 ** KB, ``layout.pair_positions``) and window size; None when the sparse path is off
+    (COMPACT < 16) or a chunk has too many positions for it."""
+    np_ = pair_positions(W, R, C)
+    if np_ == 0 or COMPACT < 16:
         return None
-    return em, np_, np_.bit_length() - 1, min(COMPACT, np_)
+    return np_ // (2 * C), np_, np_.bit_length() - 1, min(COMPACT, np_)
 
 
-def sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags, device):
-    """Launch the sparse path's kernels over every chunk; returns the number of shared entries
-    per chunk (int32 [P, N], -1 for a heavy chunk, which the dense kernels take), or None when
-    the geometry has no sparse path (the dense kernels then do every chunk)."""
+def sparse_launch(backward: bool, common, W, R, C, N, P, T, H, bank_rows, flags, pairs):
+    """Launch the sparse path's kernels over every chunk. ``pairs`` is phase 1's
+    ``layout.PairLists``: the forward's sort kernel writes it (where the geometry has no sparse
+    path, it marks every chunk -1), the backward reads it. Returns its counts (int32 [P, N], -1
+    for a chunk the dense kernels take), or None when the geometry has no sparse path (the
+    dense kernels then do every chunk)."""
+    count, entries = pairs
     geo = sparse_geometry(W, R, C)
     if geo is None:
+        if not backward:
+            count.fill_(-1)
+            entries.zero_()
         return None
     em, np_, kb, mc = geo
-    shared = torch.empty(P, N, dtype=torch.int32, device=device)
-    compact = torch.empty(P, N, np_, dtype=torch.int32, device=device)
     sizes = dict(W=W, R=R, EM=em, NP=np_, KB=kb, MC=mc, C=C, **flags)
     if backward:
-        sort = wrap_triton(_chunk_sort_bwd_kernel)
+        wrap_triton(_chunk_lone_bwd_kernel)[(N, P)](
+            *common, count, T, H, bank_rows, **sizes, num_warps=_LONE_WARPS
+        )
     else:
-        sort = wrap_triton(_chunk_sort_kernel)
-    sort[(N, P)](*common, shared, compact, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS)
-    pairs_launch(backward, common, shared, compact, T, H, bank_rows, N, P, sizes, device)
-    return shared
+        wrap_triton(_chunk_sort_kernel)[(N, P)](
+            *common, count, entries, T, H, bank_rows, **sizes, num_warps=_SORT_WARPS
+        )
+    pairs_launch(backward, common, count, entries, T, H, bank_rows, N, P, sizes, count.device)
+    return count
 
 
 @triton.jit
@@ -123,9 +136,11 @@ def _shared_entries(raw, exists, S, NP: tl.constexpr, KB: tl.constexpr, MC: tl.c
 
 @triton.jit
 def _publish(shared_count, compact, chunk, m, pos, shared, place, NP: tl.constexpr):
-    """Store a chunk's shared-entry count (-1: heavy) and its shared entries' positions."""
+    """Store a chunk's shared-entry count (-1: heavy) and all of its entry positions: the
+    shared ones in sorted order (the compact list), then the others in sorted order."""
+    lone_place = tl.sum(shared.to(tl.int32), 0) + tl.arange(0, NP) - place
     tl.store(shared_count + chunk, m)
-    tl.store(compact + chunk.to(tl.int64) * NP + place, pos, mask=shared & (m >= 0))
+    tl.store(compact + chunk.to(tl.int64) * NP + tl.where(shared, place, lone_place), pos)
 
 
 @triton.jit
@@ -208,7 +223,7 @@ def _chunk_sort_kernel(
 
 
 @triton.jit
-def _chunk_sort_bwd_kernel(
+def _chunk_lone_bwd_kernel(
     write_idx,
     write_w,
     decay,
@@ -225,7 +240,6 @@ def _chunk_sort_bwd_kernel(
     d_decay,
     d_read_w,
     shared_count,
-    compact,
     T,
     H,
     S,
@@ -239,40 +253,45 @@ def _chunk_sort_bwd_kernel(
     HAS_DECAY: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
+    """The backward's first kernel: every entry of a chunk that is not heavy (the forward's
+    count >= 0) gets the lone entries' gradients, in position order; the pairs' backward then
+    overwrites those of the compact list, which is why no sort is needed here. Invalid entries
+    (padding, a slot outside [0, S)) get zeros."""
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    if VARLEN:  # loaded here: see _tiles.bank_slots
-        tok0 = tl.load(chunks + 2 * n)
-        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
-    else:
-        tok0, count = dense_chunk(n, p, T, H, C)
-    tok, is_read, j = entry_position(tl.arange(0, NP), EM)
-    exists = (tok < count) & (j < tl.where(is_read, R, W))
-    row = (tok0 + tok) * H + h
-    raw = tl.where(
-        is_read,
-        tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
-        tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64),
-    )
-    pos, valid, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
-    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
-
-    # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
-    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM)
-    ok_w = lone_w & valid
-    ok_r = lone_r & valid
-    gw = tl.load(d_gather_w + wo, mask=ok_w, other=0.0).to(tl.float32)
-    if HAS_DECAY:
-        d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
-    else:
-        d = tl.full((NP,), 1.0, tl.float32)
-    dsw = tl.load(d_scatter_w + wo, mask=ok_w, other=0.0).to(tl.float32)
-    tl.store(d_write_w + wo, gw * d + dsw, mask=lone_w)
-    if HAS_DECAY:
-        w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
-        drd = tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32)
-        tl.store(d_decay + wo, gw * w + drd, mask=lone_w)
-    tl.store(
-        d_read_w + ro, tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32), mask=lone_r
-    )
+    m = tl.load(shared_count + p * tl.num_programs(0) + n)
+    if m >= 0:
+        if VARLEN:  # loaded here: see _tiles.bank_slots
+            tok0 = tl.load(chunks + 2 * n)
+            count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+        else:
+            tok0, count = dense_chunk(n, p, T, H, C)
+        tok, is_read, j = entry_position(tl.arange(0, NP), EM)
+        exists = (tok < count) & (j < tl.where(is_read, R, W))
+        row = (tok0 + tok) * H + h
+        wo = row * W + j
+        ro = row * R + j
+        is_w = exists & ~is_read
+        is_r = exists & is_read
+        raw = tl.where(
+            is_read,
+            tl.load(read_idx + ro, mask=is_r, other=-1).to(tl.int64),
+            tl.load(write_idx + wo, mask=is_w, other=-1).to(tl.int64),
+        )
+        valid = (raw >= 0) & (raw < S)
+        ok_w = is_w & valid
+        ok_r = is_r & valid
+        gw = tl.load(d_gather_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+        if HAS_DECAY:
+            d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
+        else:
+            d = tl.full((NP,), 1.0, tl.float32)
+        dsw = tl.load(d_scatter_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+        tl.store(d_write_w + wo, gw * d + dsw, mask=is_w)
+        if HAS_DECAY:
+            w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
+            drd = tl.load(d_row_decay + wo, mask=ok_w, other=0.0).to(tl.float32)
+            tl.store(d_decay + wo, gw * w + drd, mask=is_w)
+        dgr = tl.load(d_gather_r + ro, mask=ok_r, other=0.0).to(tl.float32)
+        tl.store(d_read_w + ro, dgr, mask=is_r)

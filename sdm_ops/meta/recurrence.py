@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import QUANT_GROUP, SKIP_SNAPSHOT
+from ..layout import QUANT_GROUP, SKIP_SNAPSHOT, pair_positions
 from ..working_set import numbers_rows, working_set_rows
 
 
@@ -64,8 +64,18 @@ def _tables(cu_seqlens: Tensor, T: int, chunk_size: int) -> tuple[Tensor, Tensor
 
 
 def chunk_prepare_fake(a) -> tuple[Tensor, ...]:
-    """The fields of ``layout.Prepared``."""
-    return _prepared(a.write_idx, a.write_w, a.read_idx, a.read_w, a.decay, a.chunk_size, a.chunks)
+    """The fields of ``layout.Prepared``, then of ``layout.PairLists``."""
+    prep = _prepared(a.write_idx, a.write_w, a.read_idx, a.read_w, a.decay, a.chunk_size, a.chunks)
+    return prep + _pair_lists(a.write_idx, a.read_idx, a.chunk_size, a.chunks)
+
+
+def _pair_lists(write_idx, read_idx, C, chunks) -> tuple[Tensor, Tensor]:
+    """``layout.PairLists``: count [P, N] and entries [P, N, NP] int32."""
+    B, T, H, W = write_idx.shape
+    lead, N = chunk_slots(B, T, C, chunks)
+    count = write_idx.new_empty((lead * H, N), dtype=torch.int32)
+    NP = pair_positions(W, read_idx.shape[-1], C)
+    return count, count.new_empty((lead * H, N, NP))
 
 
 def _prepared(write_idx, write_w, read_idx, read_w, decay, C, chunks) -> tuple[Tensor, ...]:
@@ -176,7 +186,8 @@ def sparse_delta_memory_fake(a) -> tuple[Tensor, Tensor, list[Tensor]]:
     out, bank_out, *saved = _phase2(
         v, a.write_idx, a.read_idx, prep[2], bank, a.snapshot, seq_chunks, S
     )
-    kept = [*prep, X, QX, *saved, *_finite_kept(a.beta, a.write_w, a.read_w, a.decay)]
+    pairs = _pair_lists(a.write_idx, a.read_idx, a.chunk_size, chunks)
+    kept = [*prep, *pairs, X, QX, *saved, *_finite_kept(a.beta, a.write_w, a.read_w, a.decay)]
     if cu_seqlens is not None:
         kept += [chunks, seq_chunks]
     if a.output_final_state:

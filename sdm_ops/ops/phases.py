@@ -125,9 +125,10 @@ def _chunk_prepare(
     chunk_size: int,
     chunks: Tensor | None = None,
     seq_chunks: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Phase 1: the fields of ``layout.Prepared`` (A, QK, gather_w, gather_r, scatter_w,
-    row_decay, rank, read_rank); see ``kernels/chunk_prepare.py`` for the math and layouts."""
+    row_decay, rank, read_rank), then of ``layout.PairLists`` (what the sparse path sorted, for
+    ``chunk_prepare_backward``); see ``kernels/chunk_prepare.py`` for the math and layouts."""
 
 
 @_chunk_prepare.kernels
@@ -146,7 +147,9 @@ def _chunk_prepare_cpu(a) -> tuple[Tensor, ...]:
         prep = reference.chunk_prepare_varlen_reference(*a)
     else:
         prep = reference.chunk_prepare_reference(*a[:-2])
-    return tuple(x.contiguous() for x in prep)
+    # Pair lists that mark every chunk for the dense kernels: right for any backward.
+    count, entries = meta.chunk_prepare_fake(a)[len(layout.Prepared._fields) :]
+    return (*(x.contiguous() for x in prep), count.fill_(-1), entries.zero_())
 
 
 chunk_prepare = _chunk_prepare.op
@@ -554,11 +557,14 @@ def _chunk_prepare_backward(
     d_gather_r: Tensor,
     d_scatter_w: Tensor,
     d_row_decay: Tensor,
+    pair_count: Tensor,
+    pair_entries: Tensor,
     chunks: Tensor | None = None,
     seq_chunks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``sdm_internal::chunk_prepare``: (d_write_w, d_read_w, d_decay), d_decay
-    empty without decay; see ``kernels/chunk_prepare.py``."""
+    empty without decay; ``pair_count`` and ``pair_entries`` are the forward's
+    ``layout.PairLists`` (the CPU twin does not read them); see ``kernels/chunk_prepare.py``."""
 
 
 @_chunk_prepare_backward.kernels
@@ -572,6 +578,8 @@ def _chunk_prepare_backward_kernels(a) -> tuple[Tensor, Tensor, Tensor]:
             d_write_w=dww,
             d_decay=None if a.decay is None else ddc,
             d_read_w=drw,
+            pair_count=a.pair_count,
+            pair_entries=a.pair_entries,
             chunks=a.chunks,
         )
     return dww, drw, ddc
@@ -580,9 +588,9 @@ def _chunk_prepare_backward_kernels(a) -> tuple[Tensor, Tensor, Tensor]:
 @_chunk_prepare_backward.reference
 def _chunk_prepare_backward_cpu(a) -> tuple[Tensor, Tensor, Tensor]:
     if a.chunks is not None:
-        dww, drw, ddc = reference.chunk_prepare_backward_varlen_reference(*a)
+        dww, drw, ddc = reference.chunk_prepare_backward_varlen_reference(*a[:12], *a[-2:])
     else:
-        dww, drw, ddc = reference.chunk_prepare_backward_reference(*a[:-2])
+        dww, drw, ddc = reference.chunk_prepare_backward_reference(*a[:12])
     ddc = a.write_w.new_empty(0, dtype=dww.dtype) if ddc is None else ddc
     return dww.contiguous(), drw.contiguous(), ddc.contiguous()
 

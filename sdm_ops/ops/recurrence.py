@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import _finite, working_set
 from ..kernels._common import sm_count
-from ..layout import SKIP_SNAPSHOT, Prepared
+from ..layout import SKIP_SNAPSHOT, PairLists, Prepared
 from ..meta import recurrence as meta
 from . import eager
 from ._define import define_op
@@ -35,12 +35,13 @@ from .wy_solve import _wy_solve, _wy_solve_backward
 
 class Phase1(NamedTuple):
     """What phase 1 and the WY solve give phase 2 and its backward (``_phase1``):
-    ``chunk_prepare``'s outputs, X and QX (``[lead, H, N, C, C]``, as A), a packed batch's
-    chunk tables (None otherwise), the beta phase 2 reads (NaN where a token's write side
-    is not finite, ``_finite``), and what the backward keeps of the selection of finite inputs
-    (``_finite.KEPT_FOR_BACKWARD``)."""
+    ``chunk_prepare``'s outputs (``Prepared``, then the ``PairLists`` its backward reads), X and
+    QX (``[lead, H, N, C, C]``, as A), a packed batch's chunk tables (None otherwise), the beta
+    phase 2 reads (NaN where a token's write side is not finite, ``_finite``), and what the
+    backward keeps of the selection of finite inputs (``_finite.KEPT_FOR_BACKWARD``)."""
 
     prep: Prepared
+    pairs: PairLists
     X: Tensor
     QX: Tensor
     chunks: Tensor | None
@@ -63,7 +64,14 @@ class Snapshot(NamedTuple):
 # phase 1's outputs, the WY solve's and phase 2's saved tensors, the selection of finite inputs
 # (``_finite.KEPT_FOR_BACKWARD``); then, for a packed batch, its chunk tables (chunks, seq_chunks)
 # and, without the final state, the working set's layout (``working_set.WorkingRows``).
-KEPT_FOR_BACKWARD = (*Prepared._fields, "X", "QX", *Snapshot._fields, *_finite.KEPT_FOR_BACKWARD)
+KEPT_FOR_BACKWARD = (
+    *Prepared._fields,
+    *("pair_" + f for f in PairLists._fields),
+    "X",
+    "QX",
+    *Snapshot._fields,
+    *_finite.KEPT_FOR_BACKWARD,
+)
 
 
 def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) -> Tensor:
@@ -126,16 +134,17 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     selected = _finite_select(beta, write_idx, write_w, read_idx, read_w, decay, S)
     clean_beta, beta_walk, clean_write_w, clean_read_w, clean_decay, bad_reads = selected[:6]
     clean_decay = None if decay is None else clean_decay
-    prep = Prepared(
-        *_chunk_prepare(
-            write_idx, clean_write_w, read_idx, clean_read_w, clean_decay, S, C, chunks, seq_chunks
-        )
+    outs = _chunk_prepare(
+        write_idx, clean_write_w, read_idx, clean_read_w, clean_decay, S, C, chunks, seq_chunks
     )
+    n = len(Prepared._fields)
+    prep, pairs = Prepared(*outs[:n]), PairLists(*outs[n:])
     prep = prep._replace(gather_r=_finite.poison_reads(prep.gather_r, bad_reads))
     A = prep.A
     X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean_beta, C, chunks), prep.QK.view(-1, C, C))
     finite = [*selected[:5], *selected[6:]]  # _finite.KEPT_FOR_BACKWARD
-    return Phase1(prep, X.view(A.shape), QX.view(A.shape), chunks, seq_chunks, beta_walk, finite)
+    X, QX = X.view(A.shape), QX.view(A.shape)
+    return Phase1(prep, pairs, X, QX, chunks, seq_chunks, beta_walk, finite)
 
 
 def _phase2_(bank: Tensor, v, beta, write_idx, read_idx, p: Phase1) -> Tensor:
@@ -252,7 +261,7 @@ def _sparse_delta_memory(
     )
     if not keep_for_backward:
         return out, bank.new_empty(0), []
-    kept = [*p.prep, p.X, p.QX, *saved, *p.finite]
+    kept = [*p.prep, *p.pairs, p.X, p.QX, *saved, *p.finite]
     if cu_seqlens is not None:
         kept += [p.chunks, p.seq_chunks]
     if rows is not None:
@@ -289,15 +298,16 @@ def _unpack_kept(kept: list[Tensor], working: bool):
     """(Phase1, Snapshot, WorkingRows or None) from the forward's ``kept`` tensors (in the order
     of ``KEPT_FOR_BACKWARD``, then the chunk tables, then the working set's layout when
     ``working``)."""
-    n, m = len(Prepared._fields), len(Prepared._fields) + 2 + len(Snapshot._fields)
-    prep, (X, QX), saved = kept[:n], kept[n : n + 2], kept[n + 2 : m]
+    n = len(Prepared._fields)
+    m = n + len(PairLists._fields) + 2 + len(Snapshot._fields)
+    prep, pairs, (X, QX), saved = kept[:n], kept[n : n + 2], kept[n + 2 : n + 4], kept[n + 4 : m]
     finite, tables = kept[m : len(KEPT_FOR_BACKWARD)], kept[len(KEPT_FOR_BACKWARD) :]
     rows = None
     if working:
         rows = working_set.WorkingRows(*tables[-3:])
         tables = tables[:-3]
     chunks, seq_chunks = tables or (None, None)
-    p = Phase1(Prepared(*prep), X, QX, chunks, seq_chunks, finite[1], finite)
+    p = Phase1(Prepared(*prep), PairLists(*pairs), X, QX, chunks, seq_chunks, finite[1], finite)
     return p, Snapshot(*saved), rows
 
 
@@ -383,6 +393,7 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
                 decay,
                 ctx.bank_rows,
                 *(g.to(wd) for g in grads),  # dA, dQK, d_gather_w .. d_row_decay
+                *p.pairs,
                 p.chunks,
                 p.seq_chunks,
             )
