@@ -36,11 +36,12 @@ need. How eager calls skip the dispatcher: ``eager``.
 
 Modules: ``recurrence`` (the public recurrence operators and their autograd), ``phases`` (the
 recurrence's internal operators), ``wy_solve``, ``product_key_topk``, ``eager`` (the path
-around the dispatcher), ``_define`` (an operator with a CPU twin, declared once).
+around the dispatcher), ``_define`` (an operator with a CPU twin, declared once; the package's
+source hash in torch.compile's cache keys, ``key_compile_caches``).
 """
 
 from . import eager
-from ._define import INTERNAL, PUBLIC
+from ._define import INTERNAL, PUBLIC, key_compile_caches
 from .phases import (
     bank_copy,
     chunk_prepare,
@@ -63,7 +64,11 @@ from .recurrence import (
 )
 from .wy_solve import wy_solve, wy_solve_backward, wy_solve_route
 
+# Graphs torch.compile cached for another version of this package are not reused.
+COMPILE_CACHE_TAG = key_compile_caches()
+
 __all__ = [
+    "COMPILE_CACHE_TAG",
     "INTERNAL",
     "KEPT_FOR_BACKWARD",
     "PUBLIC",

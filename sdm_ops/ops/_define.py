@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.library import custom_op, infer_schema, triton_op
 
@@ -125,3 +128,27 @@ def kernel_op(
         return body
 
     return define
+
+
+def source_tag(root: Path) -> str:
+    """``sdm_ops-`` and a hash of every Python file under ``root`` (names and bytes)."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return "sdm_ops-" + digest.hexdigest()[:16]
+
+
+def key_compile_caches() -> str:
+    """Add the package's ``source_tag`` to ``torch.compiler.config.cache_key_tag`` and return it.
+
+    torch.compile's caches (AOTAutograd's and Inductor's, on disk across processes) key a
+    compiled graph on the graph Dynamo captured, in which an operator is only its name: the
+    Python behind it (an autograd formula, the operators a body calls) is not in the key. After
+    sdm_ops changes, a graph cached before would run the old code, or fail where an internal
+    operator's arguments changed. With the tag in the key it is compiled again. A tag the user
+    set (``TORCH_COMPILE_CACHE_KEY_TAG``) is kept in front of it."""
+    tag = source_tag(Path(__file__).resolve().parents[1])
+    config = torch.compiler.config
+    if tag not in config.cache_key_tag.split("+"):
+        config.cache_key_tag = "+".join(t for t in (config.cache_key_tag, tag) if t)
+    return tag
