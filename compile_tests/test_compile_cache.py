@@ -53,18 +53,23 @@ def _compile_and_run(A, beta, QK):
 
 def test_another_source_hash_misses_the_cache_and_this_one_hits(tmp_path, monkeypatch):
     """With the caches in a fresh folder: the first compile misses and stores, the same code
-    hits, a tag as another version of the package would have misses."""
+    hits, a tag as another version of the package would have misses. (Config modules are
+    patched with their own ``patch``: pytest's monkeypatch deletes their keys on undo.)"""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
     A, beta, QK = make_wy_inputs(2, 16, seed=3, device="cpu")
     tag = torch.compiler.config.cache_key_tag
-    hits, misses, first = _compile_and_run(A, beta, QK)
-    assert (hits, misses) == (0, 1)
-    hits, misses, again = _compile_and_run(A, beta, QK)
-    assert (hits, misses) == (1, 0)
-    assert torch.equal(first, again)
     other = tag.replace(sdm_ops.ops.COMPILE_CACHE_TAG, "sdm_ops-0000000000000000")
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", other)
-    hits, misses, _ = _compile_and_run(A, beta, QK)
-    assert (hits, misses) == (0, 1)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=True),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+    ):
+        hits, misses, first = _compile_and_run(A, beta, QK)
+        assert (hits, misses) == (0, 1)
+        hits, misses, again = _compile_and_run(A, beta, QK)
+        assert (hits, misses) == (1, 0)
+        assert torch.equal(first, again)
+        with torch.compiler.config.patch(cache_key_tag=other):
+            hits, misses, _ = _compile_and_run(A, beta, QK)
+        assert (hits, misses) == (0, 1)
+    assert torch.compiler.config.cache_key_tag == tag
+    torch._dynamo.reset()
