@@ -176,13 +176,14 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
     "wanted,skipped",
     [
         (("v",), {"chunk_prepare_backward", "wy_solve_backward"}),
-        (("v", "beta", "bank"), {"chunk_prepare_backward"}),
-        (("write_w",), set()),
+        (("v", "beta", "bank"), {"chunk_prepare_backward", "wy_solve_backward"}),
+        (("write_w",), {"wy_solve_backward"}),
     ],
 )
 def test_gradients_not_asked_for_are_not_computed(wanted, skipped):
-    """Phase 1's backward runs only for write_w, read_w or decay, the WY solve's only for those
-    or beta; the others never reach them."""
+    """Phase 1's backward runs only for write_w, read_w or decay; the WY solve's backward never
+    runs (phase 2's backward forms dA and dQK from du and delta); the other inputs never reach
+    phase 1's."""
     a = make_sdm_inputs(1, 20, 2, 16, 9, 3, 2, seed=30)
     leaves = {k: a[k].detach().clone().requires_grad_(k in wanted) for k in FLOATS}
     out, bank = sdm_ops.sparse_delta_memory(
@@ -194,5 +195,5 @@ def test_gradients_not_asked_for_are_not_computed(wanted, skipped):
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
     assert "recurrence_bwd" in log.ops, log.ops
     assert not (skipped & log.ops), f"ran {skipped & log.ops} though only {wanted} need grads"
-    if not skipped:
-        assert {"chunk_prepare_backward", "wy_solve_backward"} <= log.ops, log.ops
+    if "write_w" in wanted:
+        assert "chunk_prepare_backward" in log.ops, log.ops

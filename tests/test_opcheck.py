@@ -747,6 +747,7 @@ def backward_operands(device, snapshot="none", packed=False) -> dict:
         snap_scale=snap_scale,
         res=res,
         delta=delta,
+        solve_beta=values["beta"],
         snapshot=snapshot,
         v_dtype=values["v"].dtype,
         dout=torch.randn(out.shape, generator=g).to(device),

@@ -25,13 +25,13 @@ from sdm_ops.kernels.recurrence_fwd import ONE_WAVE_REGS as ONE_WAVE
 # (registers, spilled bytes) a thread at most, per walk variant, at the reference
 # configuration (W = R = 8, D = 64, chunk 64).
 BUDGETS = {
-    "_dual_matmul_bwd_kernel": (242, 0),
+    "_dual_matmul_bwd_kernel": (232, 0),
     "_out_kernel": (165, 0),
-    "bwd MODE=0 snap=*bf16": (227, 0),
-    "bwd MODE=0 snap=*fp32": (253, 0),
-    "bwd MODE=1 snap=*bf16": (227, 0),
-    "bwd MODE=2 snap=*u8": (255, 0),
-    "bwd MODE=3 snap=*u8": (240, 0),
+    "bwd MODE=0 snap=*bf16": (225, 0),
+    "bwd MODE=0 snap=*fp32": (251, 0),
+    "bwd MODE=1 snap=*bf16": (225, 0),
+    "bwd MODE=2 snap=*u8": (254, 0),
+    "bwd MODE=3 snap=*u8": (236, 0),
     # The in-place walk (sparse_delta_memory_, and the inference forward with the final state),
     # within one wave uncapped.
     "fwd SNAPSHOT=False SOURCE=False ROWS=False bank=*bf16": (ONE_WAVE, 0),

@@ -16,18 +16,30 @@ the per-entry dot products come out as one partial per 16 columns, [D // 16, ...
 the leading dimension afterwards (a fixed order). As in the forward, a chunk whose entries fit
 one tile (TB = C) is one pass through registers (ddelta, du and dout stay there between the
 dots and the dM updates); otherwise it goes in steps over tiles of TB tokens with barriers
-between them. dM is updated in passes by the entries' rank within their slot (write entries,
-then read entries), separated by barriers: one writer per row at a time, in entry order, so
-the result is bitwise deterministic (on the one-tile path every pass after the first is an
-atomic add; each chunk loads the write indices and the write entries' snapshot rows of the
-chunk after it in the walk while its own work is in flight, and every read-only operand of a
-chunk before the chunk's first store, which a later load would wait for).
-``_dual_matmul_bwd_kernel`` then forms dX = ddelta u^T, dQX = dout u^T and dbeta = du . res per
-chunk over all D columns, its dots in tf32x3 (three tensor-core products: about float32's
-accuracy at a third of the FMA dots' time).
+between them (ddelta passes between the steps through a scratch buffer). dM is updated in
+passes by the entries' rank within their slot (write entries, then read entries), separated
+by barriers: one writer per row at a time, in entry order, so the result is bitwise
+deterministic (on the one-tile path every pass after the first is an atomic add; each chunk
+loads the write indices and the write entries' snapshot rows of the chunk after it in the walk
+while its own work is in flight, and every read-only operand of a chunk before the chunk's
+first store, which a later load would wait for).
 
-Layout (contiguous): as in ``recurrence_fwd``; ddelta, du [B, T, H, D] float32 (written);
-dv [B, T, H, D] (v's dtype); partials [D // 16, B, T, H, W or R] float32 (those of the read
+``_dual_matmul_bwd_kernel`` then carries the gradient through the WY solve per chunk, over all
+D columns, without the solve's backward. Since delta = X u and QX u = tril(QK) delta, the
+gradient reaching delta from outside is g = ddelta + tril(QK)^T dout, and du = X^T g is the one
+the walk formed. The solve (I + L) delta = u then gives, with L = tril(beta A, -1):
+
+    dL  = -du delta^T         (strict lower triangle)     dA = beta dL
+    dQK = tril(dout delta^T)                               dbeta += rowsum(dL * A)
+
+which is -X^T (dX + tril(QK)^T dQX) X^T with dX = ddelta u^T and dQX = dout u^T, the WY
+solve's backward (``kernels/wy_solve.py``), in two rank-D products instead of chains of
+16 x 16 tiles. The dots run in tf32x3 (three tensor-core products: about float32's accuracy at
+a third of the FMA dots' time); dbeta also takes phase 2's share du . res.
+
+Layout (contiguous): as in ``recurrence_fwd``; du [B, T, H, D] float32 (written), ddelta the
+same or one element (the tiled path's scratch); dv [B, T, H, D] (v's dtype); dA, dQK as A
+[B, H, N, C, C] float32; partials [D // 16, B, T, H, W or R] float32 (those of the read
 entries written only with dout); dbank [B, H, S, D] float32 holding the gradient of the final
 bank on entry and of the initial bank on exit.
 8 warps (the dual-matmul kernel 4), pinned.
@@ -201,7 +213,6 @@ def _recurrence_bwd_kernel(
                 rrk = tl.load(read_rank + rent, mask=qok, other=-1)
                 rg = tl.load(gather_r + rent, mask=qok, other=0.0)
             dd = tl.sum(sw[:, :, None] * dm1, 1)
-            tl.store(ddelta + tok[:, None] * D + cols[None, :], dd, mask=tok_ok[:, None])
             tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
             tl.store(p_rd + went, tl.where(first, tl.sum(dm1 * m0, 2), 0.0), mask=wm)
             duu = tl.dot(xt, dd, input_precision="ieee")
@@ -397,14 +408,15 @@ def _recurrence_bwd_kernel(
 
 @triton.jit
 def _dual_matmul_bwd_kernel(
-    beta,
+    solve_beta,
     res,
-    ddelta,
+    delta,
     du,
     dout,
+    A,
     chunks,
-    dX,
-    dQX,
+    dA,
+    dQK,
     dbeta,
     T,
     H,
@@ -414,8 +426,9 @@ def _dual_matmul_bwd_kernel(
     HAS_DOUT: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """dX = ddelta u^T, dQX = dout u^T (u = beta res) and dbeta = du . res for one chunk (or
-    chunk slot: an unused one gets zero tiles)."""
+    """The WY solve's gradients from the walk's, for one chunk (or chunk slot: an unused one gets
+    zero tiles): dL = -du delta^T below the diagonal, dA = solve_beta dL, dQK = tril(dout delta^T)
+    and dbeta = du . res + rowsum(dL * A)."""
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
@@ -426,34 +439,34 @@ def _dual_matmul_bwd_kernel(
         tok0, count = dense_chunk(n, p, T, H, C)
     ci = tl.arange(0, C)
     tok, ok = token_rows(tok0, h, H, count, ci)
-    bb = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
-    acc_x = tl.zeros((C, C), tl.float32)
+    acc_l = tl.zeros((C, C), tl.float32)
     acc_q = tl.zeros((C, C), tl.float32)
     db = tl.zeros((C,), tl.float32)
     for k0 in range(0, D, BK):
         kc = k0 + tl.arange(0, BK)
         off = tok[:, None] * D + kc[None, :]
-        r = tl.load(res + off, mask=ok[:, None], other=0.0)
-        u = bb[:, None] * r
-        acc_x = tl.dot(
-            tl.load(ddelta + off, mask=ok[:, None], other=0.0),
-            tl.trans(u),
-            acc_x,
-            input_precision="tf32x3",
-        )
+        g = tl.load(du + off, mask=ok[:, None], other=0.0)
+        d = tl.trans(tl.load(delta + off, mask=ok[:, None], other=0.0))
+        acc_l = tl.dot(g, d, acc_l, input_precision="tf32x3")
         if HAS_DOUT:
             acc_q = tl.dot(
                 tl.load(dout + off, mask=ok[:, None], other=0.0).to(tl.float32),
-                tl.trans(u),
+                d,
                 acc_q,
                 input_precision="tf32x3",
             )
-        db += tl.sum(tl.load(du + off, mask=ok[:, None], other=0.0) * r, 1)
+        db += tl.sum(g * tl.load(res + off, mask=ok[:, None], other=0.0), 1)
     base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
     tile = base + ci[:, None] * C + ci[None, :]
-    tl.store(dX + tile, acc_x)
-    tl.store(dQX + tile, acc_q)
-    tl.store(dbeta + tok, db, mask=ok)
+    below = ci[:, None] > ci[None, :]
+    # Selects, not products with zero: a NaN of delta (a token past the chunk's first non-finite
+    # update) stays off the diagonal and above it, and off the pairs whose A is zero.
+    dL = tl.where(below, -acc_l, 0.0)
+    a = tl.load(A + tile, mask=below, other=0.0)
+    sb = tl.load(solve_beta + tok, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dA + tile, dL * sb[:, None])
+    tl.store(dQK + tile, tl.where(ci[:, None] >= ci[None, :], acc_q, 0.0))
+    tl.store(dbeta + tok, db + tl.sum(tl.where(a != 0.0, dL * a, 0.0), 1), mask=ok)
 
 
 def recurrence_bwd(
@@ -476,15 +489,17 @@ def recurrence_bwd(
     dout,
     dbank,
     dv,
-    dX,
-    dQX,
+    dA,
+    dQK,
     dbeta,
+    A,
+    solve_beta,
     chunks=None,
     seq_chunks=None,
 ):
     """Launch the phase-2 backward. ``dbank`` (the gradient of the final bank, turned into that
-    of the initial bank) is a work buffer; dv,
-    dX, dQX and dbeta are written whole. ``dout`` may be None (no gradient of ``out``).
+    of the initial bank) is a work buffer; dv, dA, dQK and dbeta are written whole (A: phase 1's,
+    solve_beta: the beta the WY solve ran on). ``dout`` may be None (no gradient of ``out``).
     Returns the per-entry gradients (d_gather_w, d_gather_r, d_scatter_w, d_row_decay)."""
     B, T, H, D = res.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
@@ -495,7 +510,9 @@ def recurrence_bwd(
     wp, rp, tb = recurrence_fwd_geometry(W, R, C)
     nb = D // BLOCK_D
     f32 = dict(dtype=torch.float32, device=res.device)
-    ddelta = torch.empty(B, T, H, D, **f32)
+    # ddelta is the tiled path's scratch between its steps; the one-tile path keeps it in
+    # registers.
+    ddelta = torch.empty(B, T, H, D, **f32) if tb < C else torch.empty(1, **f32)
     du = torch.empty(B, T, H, D, **f32)
     p_gw = torch.empty(nb, B, T, H, W, **f32)
     p_sw = torch.empty(nb, B, T, H, W, **f32)
@@ -552,14 +569,15 @@ def recurrence_bwd(
         )
     if N * P:  # also when T = 0 in a packed batch: its unused chunk slots get zero tiles
         wrap_triton(_dual_matmul_bwd_kernel)[(N, P)](
-            beta,
+            solve_beta,
             res,
-            ddelta,
+            delta,
             du,
             dout if has_dout else du,
+            A,
             chunks if varlen else rank,
-            dX,
-            dQX,
+            dA,
+            dQK,
             dbeta,
             T,
             H,

@@ -141,7 +141,7 @@ decode_step_fake = sparse_delta_memory_inplace_fake = recurrence_fwd_inplace_fak
 
 
 def recurrence_bwd_fake(a) -> tuple[Tensor, ...]:
-    """(dv in v_dtype, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank)."""
+    """(dv in v_dtype, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dA, dQK, dbank)."""
     B, T, H, D = a.res.shape
     banks = B if a.seq_chunks is None else a.seq_chunks.shape[0] - 1
     wd = a.res.dtype
@@ -150,7 +150,7 @@ def recurrence_bwd_fake(a) -> tuple[Tensor, ...]:
         a.res.new_empty((B, T, H), dtype=wd),
         *(
             x.new_empty(x.shape, dtype=wd)
-            for x in (a.gather_w, a.gather_r, a.scatter_w, a.row_decay, a.X, a.QX)
+            for x in (a.gather_w, a.gather_r, a.scatter_w, a.row_decay, a.A, a.A)
         ),
         a.res.new_empty((banks, H, a.bank_rows, D), dtype=wd),
     )

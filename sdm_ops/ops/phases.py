@@ -441,6 +441,8 @@ def _recurrence_bwd(
     read_rank: Tensor,
     X: Tensor,
     QX: Tensor,
+    A: Tensor,
+    solve_beta: Tensor,
     res: Tensor,
     delta: Tensor,
     bank_rows: int,
@@ -453,10 +455,11 @@ def _recurrence_bwd(
     chunks: Tensor | None = None,
     seq_chunks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward of ``sdm_internal::recurrence_fwd`` from its saved tensors (the bank itself is
-    not needed: ``snap`` holds every row the backward reads; ``bank_rows`` is S): (dv, dbeta,
-    dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D] float32); see
-    ``kernels/recurrence_bwd.py``."""
+    """Backward of ``sdm_internal::recurrence_fwd`` and of the WY solve before it, from the
+    saved tensors (the bank itself is not needed: ``snap`` holds every row the backward reads;
+    ``bank_rows`` is S; ``A`` is phase 1's and ``solve_beta`` the beta the solve ran on, where
+    ``beta`` is the walk's): (dv, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dA, dQK,
+    dbank [B, H, S, D] float32), dbeta with both shares; see ``kernels/recurrence_bwd.py``."""
 
 
 @_recurrence_bwd.kernels
@@ -464,27 +467,31 @@ def _recurrence_bwd_kernels(a) -> tuple[Tensor, ...]:
     from ..kernels import bank_copy as kc
     from ..kernels import recurrence_bwd as k
 
-    dv, dbeta, _, _, _, _, dX, dQX, dbank = meta.recurrence_bwd_fake(a)
+    dv, dbeta, _, _, _, _, dA, dQK, dbank = meta.recurrence_bwd_fake(a)
     with on_device(a.res):
         if a.dbank_out is None:
             dbank.zero_()
         else:
             kc.bank_copy(a.dbank_out, dbank)
         dgw, dgr, dsw, drd = k.recurrence_bwd(
-            *a[:13],  # beta .. delta
+            *a[:11],  # beta .. QX
+            a.res,
+            a.delta,
             snap=a.snap,
             snap_scale=a.snap_scale,
             snapshot=a.snapshot,
             dout=a.dout,
             dbank=dbank,
             dv=dv,
-            dX=dX,
-            dQX=dQX,
+            dA=dA,
+            dQK=dQK,
             dbeta=dbeta,
+            A=a.A,
+            solve_beta=a.solve_beta,
             chunks=a.chunks,
             seq_chunks=a.seq_chunks,
         )
-    return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
+    return dv, dbeta, dgw, dgr, dsw, drd, dA, dQK, dbank
 
 
 @_recurrence_bwd.reference
@@ -492,11 +499,14 @@ def _recurrence_bwd_cpu(a) -> tuple[Tensor, ...]:
     B, T, H, D = a.res.shape
     v_like = a.res.new_empty((B, T, H, D))
     args = (v_like, a.beta, a.write_idx, a.read_idx, _prepared(a), a.X, a.QX, a.bank_rows)
+    wy = (a.A, a.solve_beta)
     saved = (a.snap, a.snap_scale, a.snapshot, a.res, a.delta, a.dout, a.dbank_out)
     if a.chunks is not None:
-        grads = reference.recurrence_bwd_varlen_reference(*args, *saved, a.chunks, a.seq_chunks)
+        grads = reference.recurrence_bwd_varlen_reference(
+            *args, *saved, *wy, a.chunks, a.seq_chunks
+        )
     else:
-        grads = reference.recurrence_bwd_reference(*args, *saved)
+        grads = reference.recurrence_bwd_reference(*args, *saved, *wy)
     dv, rest = grads[0].to(a.v_dtype), grads[1:]
     return (dv.contiguous(),) + tuple(g.contiguous() for g in rest)
 

@@ -30,7 +30,7 @@ from .phases import (
     _rows_to_bank,
     _varlen_chunks,
 )
-from .wy_solve import _wy_solve, _wy_solve_backward
+from .wy_solve import _wy_solve
 
 
 class Phase1(NamedTuple):
@@ -93,28 +93,6 @@ def _chunk_betas(beta: Tensor, chunk_size: int, chunks: Tensor | None = None) ->
     tok = (chunks[:, :1] + i).clamp(max=T - 1)  # [NC, C]
     x = torch.where((i < chunks[:, 1:])[..., None], beta[0].to(wd)[tok], 0.0)
     return x.permute(2, 0, 1).reshape(H * NC, C)
-
-
-def _chunk_betas_backward(
-    dbetas: Tensor, beta: Tensor, chunk_size: int, chunks: Tensor | None = None
-) -> Tensor | None:
-    """The gradient of ``beta`` through ``_chunk_betas``, in ``dbetas``' dtype (the caller adds
-    phase 2's share before rounding to beta's), from ``dbetas`` (its output's): what autograd
-    computes through it (the same copies; for a packed batch the same
-    accumulation, where each token receives its one value and zeros). None when beta does not
-    reach the output (an empty packed batch)."""
-    B, T, H = beta.shape
-    C = chunk_size
-    if chunks is None:
-        N = -(-T // C)
-        return dbetas.view(B, H, N * C)[..., :T].transpose(1, 2)
-    NC = chunks.shape[0]
-    if T == 0:
-        return None
-    i = torch.arange(C, device=beta.device)
-    tok = (chunks[:, :1] + i).clamp(max=T - 1)  # [NC, C]
-    g = torch.where((i < chunks[:, 1:])[..., None], dbetas.view(H, NC, C).permute(1, 2, 0), 0.0)
-    return g.new_zeros(T, H).index_put_((tok,), g, accumulate=True)[None]
 
 
 def _wide(idx: Tensor) -> Tensor:
@@ -312,10 +290,9 @@ def _unpack_kept(kept: list[Tensor], working: bool):
 
 
 def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
-    """Phase 2's backward (``recurrence_bwd``), then, for the inputs that need them, the WY
-    solve's (``wy_solve_backward``; beta's share through ``_chunk_betas``) and phase 1's
-    (``chunk_prepare_backward``): the kernels, and the order of their float operations, of the
-    autograd graph of the operators composed one by one."""
+    """Phase 2's backward with the WY solve's (``recurrence_bwd``: dA, dQK and both of beta's
+    shares from the walk's du and the forward's delta), then, for the inputs that need them,
+    phase 1's (``chunk_prepare_backward``)."""
     eager.no_double_backward("sparse_delta_memory")
     if not ctx.keep_for_backward:
         raise RuntimeError(
@@ -336,13 +313,15 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     needs = (tuple(ctx.needs_input_grad[:8]) + (False,) * 8)[:8]
     # The internal operators' bodies, eagerly (``eager.in_backward``).
     direct = eager.eager_backward(beta)
-    dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank = eager.in_backward(_recurrence_bwd, direct)(
+    dv, dbeta, dgw, dgr, dsw, drd, dA, dQK, dbank = eager.in_backward(_recurrence_bwd, direct)(
         clean.beta_walk,
         write_idx if rows is None else rows.write_rows,
         read_idx if rows is None else rows.read_rows,
         *p.prep[2:],  # gather_w .. read_rank
         p.X,
         p.QX,
+        p.prep.A,
+        beta,
         saved.res,
         saved.delta,
         ctx.bank_rows if rows is None else rows.row_slots.shape[1],
@@ -367,36 +346,20 @@ def _sparse_delta_memory_grad(ctx, dout, dbank_out, _kept):
     elif bank_dim == 3:
         dbank = dbank.sum(0)
     dww = drw = ddc = None
-    if needs[1] or needs[3] or needs[5] or needs[7]:
-        C, A = ctx.chunk_size, p.prep.A
-        dA, dbetas, dQK = eager.in_backward(_wy_solve_backward, direct)(
-            A.view(-1, C, C),
-            _chunk_betas(beta, C, p.chunks),
-            p.prep.QK.view(-1, C, C),
-            p.X.view(-1, C, C),
-            dX.view(-1, C, C),
-            dQX.view(-1, C, C),
+    if needs[3] or needs[5] or needs[7]:
+        wd = meta.weight_dtype(write_w, read_w, decay)
+        dww, drw, ddc = eager.in_backward(_chunk_prepare_backward, direct)(
+            write_idx,
+            write_w,
+            read_idx,
+            read_w,
+            decay,
+            ctx.bank_rows,
+            *(g.to(wd) for g in (dA, dQK, dgw, dgr, dsw, drd)),
+            *p.pairs,
+            p.chunks,
+            p.seq_chunks,
         )
-        through_chunks = _chunk_betas_backward(dbetas, beta, C, p.chunks) if needs[1] else None
-        if through_chunks is not None:
-            # Both shares in float32, one rounding to beta's dtype at the end: rounded apart,
-            # a bfloat16 beta's gradient would carry each share's rounding, not the sum's.
-            dbeta = dbeta + through_chunks.to(dbeta.dtype)
-        if needs[3] or needs[5] or needs[7]:
-            wd = meta.weight_dtype(write_w, read_w, decay)
-            grads = (dA.view(A.shape), dQK.view(A.shape), dgw, dgr, dsw, drd)
-            dww, drw, ddc = eager.in_backward(_chunk_prepare_backward, direct)(
-                write_idx,
-                write_w,
-                read_idx,
-                read_w,
-                decay,
-                ctx.bank_rows,
-                *(g.to(wd) for g in grads),  # dA, dQK, d_gather_w .. d_row_decay
-                *p.pairs,
-                p.chunks,
-                p.seq_chunks,
-            )
     grads = (
         dv if needs[0] else None,
         selected.keep_beta(dbeta.to(beta.dtype)) if needs[1] else None,

@@ -349,14 +349,21 @@ def recurrence_bwd_reference(
     delta,
     dout,
     dbank_out,
+    A,
+    solve_beta,
 ):
-    """Backward of :func:`recurrence_fwd_reference`, walking the chunks in reverse.
+    """Backward of :func:`recurrence_fwd_reference`, walking the chunks in reverse, and of the
+    WY solve before it.
 
     Every bank row it reads (the chunk-start row of each write and read entry) comes from
     ``snap`` (dequantized), so the rows seen are the forward's up to the snapshot's rounding;
-    ``bank_rows`` is S. ``res = v - retrieved`` and ``delta`` are the forward's.
-    Returns (dv, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dX, dQX, dbank [B, H, S, D]).
+    ``bank_rows`` is S. ``res = v - retrieved`` and ``delta`` are the forward's; ``A`` is phase
+    1's and ``solve_beta`` the beta the WY solve ran on (``beta`` is the walk's).
+    Returns (dv, dbeta, dgather_w, dgather_r, dscatter_w, drow_decay, dA, dQK, dbank [B, H, S, D]).
     drow_decay is non-zero only on the first entry of each slot (the one the forward reads).
+    Through the solve: with delta = X u and QX u = tril(QK) delta, du is X^T times the gradient
+    reaching delta, so dL = -du delta^T (strict lower triangle), dA = solve_beta dL,
+    dQK = tril(dout delta^T), and dbeta gains rowsum(dL * A).
     """
     cd = compute_dtype(v, X, prep.gather_w)
     B, T, H, D = v.shape
@@ -381,11 +388,14 @@ def recurrence_bwd_reference(
     gr = chunks(prep.gather_r.to(cd), 0)
     first = (chunks(prep.rank, 1) == 0) & (slot >= 0)
     bs, rs = chunks(beta.to(cd), 0), chunks(res.to(cd), 0)
+    sbs = chunks(solve_beta.to(cd), 0)
     dl, do = chunks(delta.to(cd), 0), chunks(dout, 0)
     snaps = chunks(rows, 0)
     N = bs.shape[0] // P if P else 0
     Xs, QXs = X.to(cd).reshape(P, N, C, C), QX.to(cd).reshape(P, N, C, C)
-    parts = {k: [None] * N for k in ("dv", "dbeta", "dgw", "dgr", "dsw", "drd", "dX", "dQX")}
+    As = A.to(cd).reshape(P, N, C, C)
+    below = torch.ones(C, C, dtype=torch.bool, device=v.device).tril(-1)
+    parts = {k: [None] * N for k in ("dv", "dbeta", "dgw", "dgr", "dsw", "drd", "dA", "dQK")}
     for n in reversed(range(N)):
         c = torch.arange(P, device=v.device) * N + n
         sl, rsl, fr = slot[c], rslot[c], first[c]
@@ -396,12 +406,13 @@ def recurrence_bwd_reference(
         ddelta = (sw[c][..., None] * dm1).sum(2)
         parts["dsw"][n] = (dm1 * dl[c][:, :, None, :]).sum(-1)
         parts["drd"][n] = torch.where(fr, (dm1 * wrows).sum(-1), 0)
-        u = bs[c][..., None] * rs[c]
         du = Xs[:, n].transpose(1, 2) @ ddelta + QXs[:, n].transpose(1, 2) @ do[c]
-        parts["dX"][n] = ddelta @ u.transpose(1, 2)
-        parts["dQX"][n] = do[c] @ u.transpose(1, 2)
+        dL = torch.where(below, -(du @ dl[c].transpose(1, 2)), 0)
+        parts["dA"][n] = dL * sbs[c][..., None]
+        parts["dQK"][n] = torch.tril(do[c] @ dl[c].transpose(1, 2))
         parts["dv"][n] = bs[c][..., None] * du
-        parts["dbeta"][n] = (du * rs[c]).sum(-1)
+        a_n = As[:, n]
+        parts["dbeta"][n] = (du * rs[c]).sum(-1) + torch.where(a_n != 0, dL * a_n, 0).sum(-1)
         dret = -bs[c][..., None] * du
         parts["dgw"][n] = (dret[:, :, None, :] * wrows).sum(-1)
         parts["dgr"][n] = (do[c][:, :, None, :] * rrows).sum(-1)
@@ -435,8 +446,8 @@ def recurrence_bwd_reference(
         tokens("dgr", R),
         tokens("dsw", W),
         tokens("drd", W),
-        chunk("dX"),
-        chunk("dQX"),
+        chunk("dA"),
+        chunk("dQK"),
         dM.reshape(B, H, S, D),
     )
 

@@ -186,18 +186,21 @@ def recurrence_bwd_varlen_reference(
     delta,
     dout,
     dbank_out,
+    A,
+    solve_beta,
     chunks: Tensor,
     seq_chunks: Tensor,
 ):
-    """:func:`recurrence_bwd_reference` of a packed batch (dbank [N, H, S, D])."""
+    """:func:`recurrence_bwd_reference` of a packed batch (dbank [N, H, S, D]; dA and dQK as
+    A, zero in the unused chunk slots)."""
     cd = compute_dtype(v, X, prep.gather_w)
     _, T, H, D = v.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     dev = v.device
-    dv, dX = v.new_zeros(1, T, H, D, dtype=cd), X.new_zeros(X.shape, dtype=cd)
+    dv, dA = v.new_zeros(1, T, H, D, dtype=cd), X.new_zeros(X.shape, dtype=cd)
     dbeta = v.new_zeros(1, T, H, dtype=cd)
     dgw, dsw, drd = (v.new_zeros(1, T, H, W, dtype=cd) for _ in range(3))
-    dgr, dQX = v.new_zeros(1, T, H, R, dtype=cd), torch.zeros_like(dX)
+    dgr, dQK = v.new_zeros(1, T, H, R, dtype=cd), torch.zeros_like(dA)
     banks = seq_chunks.shape[0] - 1
     dbank = (
         torch.zeros(banks, H, bank_rows, D, dtype=cd, device=dev)
@@ -225,10 +228,12 @@ def recurrence_bwd_varlen_reference(
             delta[:, tok],
             None if dout is None else dout[:, tok],
             None if dbank_out is None else dbank_out[n : n + 1],
+            A[:, :, cs],
+            solve_beta[:, tok],
         )
         dv[:, tok], dbeta[:, tok], dgw[:, tok], dgr[:, tok], dsw[:, tok], drd[:, tok] = g[:6]
-        dX[:, :, cs], dQX[:, :, cs], dbank[n] = g[6], g[7], g[8][0]
-    return dv, dbeta, dgw, dgr, dsw, drd, dX, dQX, dbank
+        dA[:, :, cs], dQK[:, :, cs], dbank[n] = g[6], g[7], g[8][0]
+    return dv, dbeta, dgw, dgr, dsw, drd, dA, dQK, dbank
 
 
 def chunk_prepare_backward_varlen_reference(
