@@ -323,7 +323,7 @@ _OUTPUTS = {
     },
     "_out_kernel": {"out"},
     "_recurrence_bwd_kernel": {"dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw", "p_rd"},
-    "_dual_matmul_bwd_kernel": {"dA", "dQK", "dbeta"},
+    "_dual_matmul_bwd_kernel": {"dA", "dQK", "dbeta", "dgw", "dgr", "dsw", "drd"},
     "_decode_step_kernel": {"bank", "out"},
     "_varlen_chunks_kernel": {"chunks", "seq_chunks"},
     "_fwd_diag_kernel": {"X"},

@@ -12,13 +12,13 @@ and read entry: the backward never touches the bank itself):
     dM[s_r] += gather_r[r] dout_i                                     (read slots)
 
 A program owns one stream and BD = 16 columns (grid (B * H * D // 16,), like the forward), so
-the per-entry dot products come out as one partial per 16 columns, [D // 16, ...], summed over
-the leading dimension afterwards (a fixed order). As in the forward, a chunk whose entries fit
-one tile (TB = C) is one pass through registers (ddelta, du and dout stay there between the
-dots and the dM updates); otherwise it goes in steps over tiles of TB tokens with barriers
-between them (ddelta passes between the steps through a scratch buffer). dM is updated in
-passes by the entries' rank within their slot (write entries, then read entries), separated
-by barriers: one writer per row at a time, in entry order, so the result is bitwise
+the per-entry dot products come out as one partial per 16 columns, [D // 16, ...], which the
+dual-matmul kernel sums over the leading dimension, block 0 first. As in the forward, a chunk
+whose entries fit one tile (TB = C) is one pass through registers (ddelta, du and dout stay
+there between the dots and the dM updates); otherwise it goes in steps over tiles of TB tokens
+with barriers between them (ddelta passes between the steps through a scratch buffer). dM is
+updated in passes by the entries' rank within their slot (write entries, then read entries),
+separated by barriers: one writer per row at a time, in entry order, so the result is bitwise
 deterministic (on the one-tile path every pass after the first is an atomic add; each chunk
 loads the write indices and the write entries' snapshot rows of the chunk after it in the walk
 while its own work is in flight, and every read-only operand of a chunk before the chunk's
@@ -35,7 +35,8 @@ the walk formed. The solve (I + L) delta = u then gives, with L = tril(beta A, -
 which is -X^T (dX + tril(QK)^T dQX) X^T with dX = ddelta u^T and dQX = dout u^T, the WY
 solve's backward (``kernels/wy_solve.py``), in two rank-D products instead of chains of
 16 x 16 tiles. The dots run in tf32x3 (three tensor-core products: about float32's accuracy at
-a third of the FMA dots' time); dbeta also takes phase 2's share du . res.
+a third of the FMA dots' time); dbeta also takes phase 2's share du . res. The same program
+sums its chunk's per-entry partials (one launch where four reductions were).
 
 Layout (contiguous): as in ``recurrence_fwd``; du [B, T, H, D] float32 (written), ddelta the
 same or one element (the tiled path's scratch); dv [B, T, H, D] (v's dtype); dA, dQK as A
@@ -415,20 +416,35 @@ def _dual_matmul_bwd_kernel(
     dout,
     A,
     chunks,
+    p_gw,
+    p_gr,
+    p_sw,
+    p_rd,
     dA,
     dQK,
     dbeta,
+    dgw,
+    dgr,
+    dsw,
+    drd,
     T,
     H,
+    NTOK,
     D: tl.constexpr,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    WP: tl.constexpr,
+    RP: tl.constexpr,
     C: tl.constexpr,
     BK: tl.constexpr,
+    NB: tl.constexpr,
     HAS_DOUT: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """The WY solve's gradients from the walk's, for one chunk (or chunk slot: an unused one gets
     zero tiles): dL = -du delta^T below the diagonal, dA = solve_beta dL, dQK = tril(dout delta^T)
-    and dbeta = du . res + rowsum(dL * A)."""
+    and dbeta = du . res + rowsum(dL * A); and the chunk's per-entry gradients, the walk's NB
+    partials summed in order."""
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
@@ -467,6 +483,24 @@ def _dual_matmul_bwd_kernel(
     tl.store(dA + tile, dL * sb[:, None])
     tl.store(dQK + tile, tl.where(ci[:, None] >= ci[None, :], acc_q, 0.0))
     tl.store(dbeta + tok, db + tl.sum(tl.where(a != 0.0, dL * a, 0.0), 1), mask=ok)
+    went, wm = entry_offsets(tok, ok, W, WP)
+    _sum_partials(p_gw, dgw, went, wm, NTOK * W, NB)
+    _sum_partials(p_sw, dsw, went, wm, NTOK * W, NB)
+    _sum_partials(p_rd, drd, went, wm, NTOK * W, NB)
+    rent, rm = entry_offsets(tok, ok, R, RP)
+    if HAS_DOUT:
+        _sum_partials(p_gr, dgr, rent, rm, NTOK * R, NB)
+    else:  # without an output gradient the read weights get none
+        tl.store(dgr + rent, tl.zeros((C, RP), tl.float32), mask=rm)
+
+
+@triton.jit
+def _sum_partials(part, out, ent, mask, STRIDE, NB: tl.constexpr):
+    """out[ent] = the sum of the NB column blocks' partials [NB, ...] at ent, block 0 first."""
+    acc = tl.load(part + ent, mask=mask, other=0.0)
+    for c in tl.static_range(1, NB):
+        acc += tl.load(part + c * STRIDE + ent, mask=mask, other=0.0)
+    tl.store(out + ent, acc, mask=mask)
 
 
 def recurrence_bwd(
@@ -500,7 +534,8 @@ def recurrence_bwd(
     """Launch the phase-2 backward. ``dbank`` (the gradient of the final bank, turned into that
     of the initial bank) is a work buffer; dv, dA, dQK and dbeta are written whole (A: phase 1's,
     solve_beta: the beta the WY solve ran on). ``dout`` may be None (no gradient of ``out``).
-    Returns the per-entry gradients (d_gather_w, d_gather_r, d_scatter_w, d_row_decay)."""
+    Returns the per-entry gradients (d_gather_w, d_gather_r, d_scatter_w, d_row_decay), which the
+    dual-matmul kernel sums from the walk's partials."""
     B, T, H, D = res.shape
     W, R = write_idx.shape[-1], read_idx.shape[-1]
     C = X.shape[-1]
@@ -518,8 +553,10 @@ def recurrence_bwd(
     p_sw = torch.empty(nb, B, T, H, W, **f32)
     p_rd = torch.empty(nb, B, T, H, W, **f32)
     has_dout = dout is not None
-    # Without an output gradient the read weights get none: the kernel leaves p_gr alone.
+    # Without an output gradient the read weights get none: the walk leaves p_gr alone.
     p_gr = torch.empty(nb, B, T, H, R, **f32) if has_dout else torch.empty(1, **f32)
+    dgw, dsw, drd = (torch.empty(B, T, H, W, **f32) for _ in range(3))
+    dgr = torch.empty(B, T, H, R, **f32)
     varlen = chunks is not None
     if streams * T:
         wrap_triton(_recurrence_bwd_kernel)[(streams * nb,)](
@@ -576,17 +613,30 @@ def recurrence_bwd(
             dout if has_dout else du,
             A,
             chunks if varlen else rank,
+            p_gw,
+            p_gr,
+            p_sw,
+            p_rd,
             dA,
             dQK,
             dbeta,
+            dgw,
+            dgr,
+            dsw,
+            drd,
             T,
             H,
+            B * T * H,
             D=D,
+            W=W,
+            R=R,
+            WP=wp,
+            RP=rp,
             C=C,
             BK=min(D, _DUAL_BLOCK_D),
+            NB=nb,
             HAS_DOUT=has_dout,
             VARLEN=varlen,
             num_warps=_DUAL_WARPS,
         )
-    d_gather_r = p_gr.sum(0) if has_dout else torch.zeros(B, T, H, R, **f32)
-    return p_gw.sum(0), d_gather_r, p_sw.sum(0), p_rd.sum(0)
+    return dgw, dgr, dsw, drd
