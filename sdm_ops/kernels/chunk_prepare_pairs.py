@@ -17,9 +17,13 @@ entry),
   A[tok_a, tok_b] += w_a w_b Gamma[a, b]  for write entries b < a of different tokens,
   QK[tok_a, tok_b] += w_a w_b Gamma[a, b] for a read entry a and a write entry b < a,
 
-the last two as dots with one-hot token matrices, so each element of A and QK is one fixed
-sum. Products are still formed by multiplication only. Chunks go in two tiers by their shared
-entries (``pairs_launch``).
+the last two as dots with token-match matrices, so each element of A and QK is one fixed sum.
+A chunk whose list is one window (most) sums the terms in [MC, MC] over the entries of a's
+token and side and of b's token, and the first entry of each stores the element, after the
+tile's zeros: no [C, C] tile is held (142 registers a thread where the [C, C] accumulators took
+214, three programs an SM instead of two). A chunk of several windows accumulates [C, C] tiles
+across them by one-hot dots. Products are still formed by multiplication only. Chunks go in two
+tiers by their shared entries (``pairs_launch``).
 """
 
 from __future__ import annotations
@@ -220,6 +224,8 @@ def _pairs_window(
     H,
     a_acc,
     q_acc,
+    A,
+    QK,
     W: tl.constexpr,
     R: tl.constexpr,
     EM: tl.constexpr,
@@ -227,10 +233,12 @@ def _pairs_window(
     MC: tl.constexpr,
     C: tl.constexpr,
     HAS_DECAY: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     """The window of ``size`` entries of the compact list from entry s (``_window_size``): stores
     its entries' weights, decays and ranks; returns A and QK ([C, C] each) with its terms added
-    to ``a_acc`` and ``q_acc``."""
+    to ``a_acc`` and ``q_acc``, or with SCATTER (the chunk's only window) stores the chunk's A
+    and QK tiles itself and returns the accumulators as they came."""
     a = tl.arange(0, MC)
     ok = a < size
     pos = tl.load(compact + chunk.to(tl.int64) * NP + s + a, mask=ok, other=0)
@@ -256,15 +264,36 @@ def _pairs_window(
 
     # A and QK: the pairs' terms summed per (token, token) by one-hot dots.
     pm = tl.where(_pairs(same, lower, tok, is_read), w[:, None] * w[None, :] * gam, 0.0)
-    cols = tl.arange(0, C)
-    at = (tok[:, None] == cols[None, :]) & ok[:, None]  # [MC, C]
-    by_col = tl.dot(pm, at.to(tl.float32), input_precision="ieee")  # [MC, C]
-    a_acc = tl.dot(
-        tl.trans((at & ~is_read[:, None]).to(tl.float32)), by_col, a_acc, input_precision="ieee"
-    )
-    q_acc = tl.dot(
-        tl.trans((at & is_read[:, None]).to(tl.float32)), by_col, q_acc, input_precision="ieee"
-    )
+    if SCATTER:
+        # In [MC, MC]: the terms summed over the entries of b's token (write entries), then
+        # over those of a's token and side, stored by the first entry of each: one store per
+        # (token, token) element, after the tile's zeros. No [C, C] accumulators: registers
+        # for more programs an SM.
+        tw = (tok[:, None] == tok[None, :]) & ok_w[:, None] & ok_w[None, :]
+        by_tok = tl.dot(pm, tw.to(tl.float32), input_precision="ieee")
+        side = (tok[:, None] == tok[None, :]) & (is_read[:, None] == is_read[None, :])
+        side = side & ok[:, None] & ok[None, :]
+        g = tl.dot(side.to(tl.float32), by_tok, input_precision="ieee")
+        head = ok & (tl.sum((side & lower).to(tl.int32), 1) == 0)  # first of its token and side
+        at = chunk.to(tl.int64) * C * C + tok[:, None] * C + tok[None, :]
+        put = head[:, None] & (head & ok_w)[None, :]
+        cols = tl.arange(0, C)
+        tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
+        tl.store(A + tile, tl.zeros((C, C), tl.float32))
+        tl.store(QK + tile, tl.zeros((C, C), tl.float32))
+        tl.debug_barrier()  # the zeros before the elements the window holds
+        tl.store(A + at, g, mask=put & ~is_read[:, None])
+        tl.store(QK + at, g, mask=put & is_read[:, None])
+    else:
+        cols = tl.arange(0, C)
+        at = (tok[:, None] == cols[None, :]) & ok[:, None]  # [MC, C]
+        by_col = tl.dot(pm, at.to(tl.float32), input_precision="ieee")  # [MC, C]
+        a_acc = tl.dot(
+            tl.trans((at & ~is_read[:, None]).to(tl.float32)), by_col, a_acc, input_precision="ieee"
+        )
+        q_acc = tl.dot(
+            tl.trans((at & is_read[:, None]).to(tl.float32)), by_col, q_acc, input_precision="ieee"
+        )
     return a_acc, q_acc
 
 
@@ -327,25 +356,43 @@ def _pairs_chunk(
             compact,
             chunk,
         )
-        a_acc = tl.zeros((C, C), tl.float32)
-        q_acc = tl.zeros((C, C), tl.float32)
-        if HI <= MC:  # one window (a second window size, as the backward has, spills here)
-            a_acc, q_acc = _pairs_window(
-                *operands, 0, m, tok0, h, H, a_acc, q_acc, W, R, EM, NP, MC, C, HAS_DECAY
+        if HI <= MC:  # one window, which stores the tiles (a second window size spills here)
+            zero = tl.zeros((1, 1), tl.float32)
+            _pairs_window(
+                *operands, 0, m, tok0, h, H, zero, zero, A, QK, W, R, EM, NP, MC, C, HAS_DECAY, True
             )
         else:  # windows in list order, their terms summed into A and QK in that order
+            a_acc = tl.zeros((C, C), tl.float32)
+            q_acc = tl.zeros((C, C), tl.float32)
             base = compact + chunk.to(tl.int64) * NP
             s = 0
             while s < m:
                 size = _window_at(read_idx, write_idx, base, s, m, tok0, h, H, W, R, EM, KB, MC)
                 a_acc, q_acc = _pairs_window(
-                    *operands, s, size, tok0, h, H, a_acc, q_acc, W, R, EM, NP, MC, C, HAS_DECAY
+                    *operands,
+                    s,
+                    size,
+                    tok0,
+                    h,
+                    H,
+                    a_acc,
+                    q_acc,
+                    A,
+                    QK,
+                    W,
+                    R,
+                    EM,
+                    NP,
+                    MC,
+                    C,
+                    HAS_DECAY,
+                    False,
                 )
                 s += tl.maximum(size, 1)
-        cols = tl.arange(0, C)
-        tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
-        tl.store(A + tile, a_acc)
-        tl.store(QK + tile, q_acc)
+            cols = tl.arange(0, C)
+            tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
+            tl.store(A + tile, a_acc)
+            tl.store(QK + tile, q_acc)
 
 
 @triton.jit
