@@ -57,10 +57,11 @@ def pairs_launch(backward: bool, common, shared, compact, T, H, bank_rows, N, P,
     # most chunks of the reference workload); the rest take a loop over windows
     # (more registers: ptxas spills when its windows are 64 entries, hence MC = 32), a grid
     # of at most STRIDED_PROGRAMS_PER_SM programs an SM. The forward holds A and QK
-    # ([C, C] each) across the loop: 8 warps hold them without spilling where 4 spilled
-    # 680 bytes (chunk 64) and 43 KB (chunk 128) a thread; a chunk of 128 takes 8 warps in
-    # both tiers. The forward's one-window tier, which holds no [C, C] tile, takes 8 warps too
-    # (80 registers; 142 at 4): on an H100 at the reference workload 0.127 ms against 0.133.
+    # ([C, C] each) across the loop: 8 warps hold them with 200 bytes a thread spilled at
+    # chunk 64 (ptxas of Triton 3.6), where 4 spilled 680 bytes (chunk 64) and 43 KB (chunk
+    # 128); a chunk of 128 takes 8 warps in both tiers. The forward's one-window tier, which
+    # holds no [C, C] tile, takes 8 warps too (80 registers; 142 at 4): on an H100 at the
+    # reference workload 0.127 ms against 0.133.
     for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
         grid = (N, P) if hi <= mc else strided_grid(N, P, device)
         tier = dict(LO=lo, HI=hi, WALK=_WALK, **(dict(MH=max(16, mc // 2)) if backward else {}))
