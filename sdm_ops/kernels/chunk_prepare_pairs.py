@@ -205,6 +205,13 @@ def _weights(write_w, decay, read_w, wo, ro, ok_w, ok_r, MC: tl.constexpr, HAS_D
 
 
 @triton.jit
+def _tile(chunk, C: tl.constexpr):
+    """The offsets of chunk ``chunk``'s [C, C] tile of A or QK."""
+    cols = tl.arange(0, C)
+    return chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
+
+
+@triton.jit
 def _pairs_window(
     write_idx,
     write_w,
@@ -217,6 +224,8 @@ def _pairs_window(
     row_decay,
     rank,
     read_rank,
+    A,
+    QK,
     compact,
     chunk,
     s,
@@ -226,8 +235,6 @@ def _pairs_window(
     H,
     a_acc,
     q_acc,
-    A,
-    QK,
     W: tl.constexpr,
     R: tl.constexpr,
     EM: tl.constexpr,
@@ -271,16 +278,15 @@ def _pairs_window(
         # over those of a's token and side, stored by the first entry of each: one store per
         # (token, token) element, after the tile's zeros. No [C, C] accumulators: registers
         # for more programs an SM.
-        tw = (tok[:, None] == tok[None, :]) & ok_w[:, None] & ok_w[None, :]
+        same_tok = tok[:, None] == tok[None, :]
+        tw = same_tok & ok_w[:, None] & ok_w[None, :]
         by_tok = tl.dot(pm, tw.to(tl.float32), input_precision="ieee")
-        side = (tok[:, None] == tok[None, :]) & (is_read[:, None] == is_read[None, :])
-        side = side & ok[:, None] & ok[None, :]
+        side = same_tok & (is_read[:, None] == is_read[None, :]) & ok[:, None] & ok[None, :]
         g = tl.dot(side.to(tl.float32), by_tok, input_precision="ieee")
         head = ok & (tl.sum((side & lower).to(tl.int32), 1) == 0)  # first of its token and side
         at = chunk.to(tl.int64) * C * C + tok[:, None] * C + tok[None, :]
         put = head[:, None] & (head & ok_w)[None, :]
-        cols = tl.arange(0, C)
-        tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
+        tile = _tile(chunk, C)
         tl.store(A + tile, tl.zeros((C, C), tl.float32))
         tl.store(QK + tile, tl.zeros((C, C), tl.float32))
         tl.debug_barrier()  # the zeros before the elements the window holds
@@ -355,13 +361,15 @@ def _pairs_chunk(
             row_decay,
             rank,
             read_rank,
+            A,
+            QK,
             compact,
             chunk,
         )
         if HI <= MC:  # one window, which stores the tiles (a second window size spills here)
             zero = tl.zeros((1, 1), tl.float32)
             _pairs_window(
-                *operands, 0, m, tok0, h, H, zero, zero, A, QK, W, R, EM, NP, MC, C, HAS_DECAY, True
+                *operands, 0, m, tok0, h, H, zero, zero, W, R, EM, NP, MC, C, HAS_DECAY, True
             )
         else:  # windows in list order, their terms summed into A and QK in that order
             a_acc = tl.zeros((C, C), tl.float32)
@@ -379,8 +387,6 @@ def _pairs_chunk(
                     H,
                     a_acc,
                     q_acc,
-                    A,
-                    QK,
                     W,
                     R,
                     EM,
@@ -391,8 +397,7 @@ def _pairs_chunk(
                     False,
                 )
                 s += tl.maximum(size, 1)
-            cols = tl.arange(0, C)
-            tile = chunk.to(tl.int64) * C * C + cols[:, None] * C + cols[None, :]
+            tile = _tile(chunk, C)
             tl.store(A + tile, a_acc)
             tl.store(QK + tile, q_acc)
 
