@@ -322,6 +322,7 @@ _OUTPUTS = {
         "inter_buf",
     },
     "_out_kernel": {"out"},
+    "_qx_dout_kernel": {"du"},
     "_recurrence_bwd_kernel": {"dbank", "ddelta", "du", "dv", "p_gw", "p_gr", "p_sw", "p_rd"},
     "_dual_matmul_bwd_kernel": {"dA", "dQK", "dbeta", "dgw", "dgr", "dsw", "drd"},
     "_decode_step_kernel": {"bank", "out"},

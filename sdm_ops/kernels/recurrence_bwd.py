@@ -24,6 +24,11 @@ loads the write indices and the write entries' snapshot rows of the chunk after 
 while its own work is in flight, and every read-only operand of a chunk before the chunk's
 first store, which a later load would wait for).
 
+The walk's du has a part that does not depend on dM: QX^T dout. ``_qx_dout_kernel`` forms it
+before the walk, one program per chunk and stream over all D columns, into du, and the walk adds
+X^T ddelta onto it: one [C, C] dot a chunk in the walk's dependent chain instead of two (both
+full float32, as the walk's).
+
 ``_dual_matmul_bwd_kernel`` then carries the gradient through the WY solve per chunk, over all
 D columns, without the solve's backward. Since delta = X u and QX u = tril(QK) delta, the
 gradient reaching delta from outside is g = ddelta + tril(QK)^T dout, and du = X^T g is the one
@@ -38,12 +43,13 @@ solve's backward (``kernels/wy_solve.py``), in two rank-D products instead of ch
 a third of the FMA dots' time); dbeta also takes phase 2's share du . res. The same program
 sums its chunk's per-entry partials (one launch where four reductions were).
 
-Layout (contiguous): as in ``recurrence_fwd``; du [B, T, H, D] float32 (written), ddelta the
-same or one element (the tiled path's scratch); dv [B, T, H, D] (v's dtype); dA, dQK as A
-[B, H, N, C, C] float32; partials [D // 16, B, T, H, W or R] float32 (those of the read
-entries written only with dout); dbank [B, H, S, D] float32 holding the gradient of the final
-bank on entry and of the initial bank on exit.
-8 warps (the dual-matmul kernel 4), pinned.
+Layout (contiguous): as in ``recurrence_fwd``; du [B, T, H, D] float32 (written; it holds
+QX^T dout between ``_qx_dout_kernel`` and the walk), ddelta the same or one element (the tiled
+path's scratch); dv [B, T, H, D] (v's dtype); dA, dQK as A [B, H, N, C, C] float32; partials
+[D // 16, B, T, H, W or R] float32 (those of the read entries written only with dout); dbank
+[B, H, S, D] float32 holding the gradient of the final bank on entry and of the initial bank
+on exit.
+8 warps (``_qx_dout_kernel`` too; the dual-matmul kernel 4), pinned.
 Indices outside [0, S) are masked exactly as in the forward. A packed batch walks each
 sequence's chunk slots in reverse, as the forward walks them (see ``recurrence_fwd``).
 """
@@ -78,7 +84,6 @@ def _recurrence_bwd_kernel(
     rank,
     read_rank,
     X,
-    QX,
     snap,
     snap_scale,
     delta,
@@ -126,7 +131,7 @@ def _recurrence_bwd_kernel(
     p_rd += pid_c.to(tl.int64) * NTOK * W
     p_gr += pid_c.to(tl.int64) * NTOK * R
     dbank_p = dbank + p.to(tl.int64) * S * D
-    if VARLEN:  # the sequence's chunk slots, and X / QX tiles [1, H, NC, C, C]
+    if VARLEN:  # the sequence's chunk slots, and X tiles [1, H, NC, C, C]
         lo = tl.load(seq_chunks + p // H).to(tl.int32)
         hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
         tiles = h.to(tl.int64) * NC
@@ -193,13 +198,13 @@ def _recurrence_bwd_kernel(
             rd = tl.load(row_decay + went, mask=first, other=1.0)
             rent, rm = entry_offsets(tok, tok_ok, R, RP)
             q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-            xo = x_base + ci[None, :] * C + ci[:, None]  # X^T
-            xt = tl.load(X + xo)
+            xt = tl.load(X + x_base + ci[None, :] * C + ci[:, None])  # X^T
             if HAS_DOUT:
                 do = tl.load(
                     dout + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0
                 ).to(tl.float32)
-                qxt = tl.load(QX + xo)
+                # QX^T dout, which ``_qx_dout_kernel`` left in du.
+                gq = tl.load(du + tok[:, None] * D + cols[None, :], mask=tok_ok[:, None], other=0.0)
                 qrows = load_snapshot(
                     snap,
                     snap_scale,
@@ -216,9 +221,10 @@ def _recurrence_bwd_kernel(
             dd = tl.sum(sw[:, :, None] * dm1, 1)
             tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
             tl.store(p_rd + went, tl.where(first, tl.sum(dm1 * m0, 2), 0.0), mask=wm)
-            duu = tl.dot(xt, dd, input_precision="ieee")
             if HAS_DOUT:
-                duu = tl.dot(qxt, do, duu, input_precision="ieee")
+                duu = tl.dot(xt, dd, gq, input_precision="ieee")
+            else:
+                duu = tl.dot(xt, dd, input_precision="ieee")
             tl.store(du + tok[:, None] * D + cols[None, :], duu, mask=tok_ok[:, None])
             tl.store(
                 dv + tok[:, None] * D + cols[None, :],
@@ -287,17 +293,17 @@ def _recurrence_bwd_kernel(
             tok_c, ok_c = token_rows(tok0, h, H, count, ci)
             ok_c = ok_c[:, None]
             dd = tl.load(ddelta + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0)
-            if HAS_DOUT:
-                do = tl.load(dout + tok_c[:, None] * D + cols[None, :], mask=ok_c, other=0.0).to(
-                    tl.float32
-                )
             for rb in range(0, C, RB):
                 ri = rb + tl.arange(0, RB)
-                xo = x_base + ci[None, :] * C + ri[:, None]  # rows ri of X^T
-                acc = tl.dot(tl.load(X + xo), dd, input_precision="ieee")
-                if HAS_DOUT:
-                    acc = tl.dot(tl.load(QX + xo), do, acc, input_precision="ieee")
+                xt = tl.load(X + x_base + ci[None, :] * C + ri[:, None])  # rows ri of X^T
                 tok_r, ok_r = token_rows(tok0, h, H, count, ri)
+                if HAS_DOUT:  # onto QX^T dout, which ``_qx_dout_kernel`` left in du
+                    gq = tl.load(
+                        du + tok_r[:, None] * D + cols[None, :], mask=ok_r[:, None], other=0.0
+                    )
+                    acc = tl.dot(xt, dd, gq, input_precision="ieee")
+                else:
+                    acc = tl.dot(xt, dd, input_precision="ieee")
                 tl.store(du + tok_r[:, None] * D + cols[None, :], acc, mask=ok_r[:, None])
             tl.debug_barrier()
             # (d) dv, dgather_w, dgather_r; dM at the written rows (rank 0).
@@ -405,6 +411,40 @@ def _recurrence_bwd_kernel(
                                 mask=r_mine[:, :, None],
                             )
                 tl.debug_barrier()
+
+
+@triton.jit
+def _qx_dout_kernel(
+    QX,
+    dout,
+    du,
+    chunks,
+    T,
+    H,
+    D: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """du = QX^T dout for one chunk (or chunk slot) and stream over all D columns, BK at a
+    time: the part of du that does not depend on the walk, formed before it so that the walk
+    keeps one dot, X^T ddelta, which it adds onto this. Full float32 dots, as the walk's."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    h = p % H
+    if VARLEN:
+        tok0 = tl.load(chunks + 2 * n)
+        count = tl.load(chunks + 2 * n + 1).to(tl.int32)
+    else:
+        tok0, count = dense_chunk(n, p, T, H, C)
+    ci = tl.arange(0, C)
+    tok, ok = token_rows(tok0, h, H, count, ci)
+    base = (p.to(tl.int64) * tl.num_programs(0) + n) * C * C
+    qxt = tl.load(QX + base + ci[None, :] * C + ci[:, None])  # QX^T
+    for k0 in range(0, D, BK):
+        off = tok[:, None] * D + (k0 + tl.arange(0, BK))[None, :]
+        do = tl.load(dout + off, mask=ok[:, None], other=0.0).to(tl.float32)
+        tl.store(du + off, tl.dot(qxt, do, input_precision="ieee"), mask=ok[:, None])
 
 
 @triton.jit
@@ -558,6 +598,20 @@ def recurrence_bwd(
     dgw, dsw, drd = (torch.empty(B, T, H, W, **f32) for _ in range(3))
     dgr = torch.empty(B, T, H, R, **f32)
     varlen = chunks is not None
+    if has_dout and N * P:
+        wrap_triton(_qx_dout_kernel)[(N, P)](
+            QX,
+            dout,
+            du,
+            chunks if varlen else du,
+            T,
+            H,
+            D=D,
+            C=C,
+            BK=BLOCK_D,
+            VARLEN=varlen,
+            num_warps=_NUM_WARPS,
+        )
     if streams * T:
         wrap_triton(_recurrence_bwd_kernel)[(streams * nb,)](
             beta,
@@ -570,7 +624,6 @@ def recurrence_bwd(
             rank,
             read_rank,
             X,
-            QX,
             snap,
             snap_scale if snap_scale.numel() else gather_w,
             delta,
