@@ -27,7 +27,7 @@ from sdm_ops.kernels.recurrence_fwd import ONE_WAVE_REGS as ONE_WAVE
 BUDGETS = {
     "_dual_matmul_bwd_kernel": (232, 0),
     "_out_kernel": (165, 0),
-    "_qx_dout_kernel": (157, 0),
+    "_qx_dout_kernel": (94, 0),
     "bwd MODE=0 snap=*bf16": (225, 0),
     "bwd MODE=0 snap=*fp32": (251, 0),
     "bwd MODE=1 snap=*bf16": (225, 0),

@@ -26,8 +26,8 @@ first store, which a later load would wait for).
 
 The walk's du has a part that does not depend on dM: QX^T dout. ``_qx_dout_kernel`` forms it
 before the walk, one program per chunk and stream over all D columns, into du, and the walk adds
-X^T ddelta onto it: one [C, C] dot a chunk in the walk's dependent chain instead of two (both
-full float32, as the walk's).
+X^T ddelta onto it: one [C, C] dot a chunk in the walk's dependent chain instead of two. Its
+dots run in tf32x3 (below), 4 warps and 32 columns at a time.
 
 ``_dual_matmul_bwd_kernel`` then carries the gradient through the WY solve per chunk, over all
 D columns, without the solve's backward. Since delta = X u and QX u = tril(QK) delta, the
@@ -49,7 +49,7 @@ path's scratch); dv [B, T, H, D] (v's dtype); dA, dQK as A [B, H, N, C, C] float
 [D // 16, B, T, H, W or R] float32 (those of the read entries written only with dout); dbank
 [B, H, S, D] float32 holding the gradient of the final bank on entry and of the initial bank
 on exit.
-8 warps (``_qx_dout_kernel`` too; the dual-matmul kernel 4), pinned.
+8 warps (``_qx_dout_kernel`` and the dual-matmul kernel 4), pinned.
 Indices outside [0, S) are masked exactly as in the forward. A packed batch walks each
 sequence's chunk slots in reverse, as the forward walks them (see ``recurrence_fwd``).
 """
@@ -428,7 +428,8 @@ def _qx_dout_kernel(
 ):
     """du = QX^T dout for one chunk (or chunk slot) and stream over all D columns, BK at a
     time: the part of du that does not depend on the walk, formed before it so that the walk
-    keeps one dot, X^T ddelta, which it adds onto this. Full float32 dots, as the walk's."""
+    keeps one dot, X^T ddelta, which it adds onto this. The dots run in tf32x3, as the
+    dual-matmul kernel's."""
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
@@ -444,7 +445,7 @@ def _qx_dout_kernel(
     for k0 in range(0, D, BK):
         off = tok[:, None] * D + (k0 + tl.arange(0, BK))[None, :]
         do = tl.load(dout + off, mask=ok[:, None], other=0.0).to(tl.float32)
-        tl.store(du + off, tl.dot(qxt, do, input_precision="ieee"), mask=ok[:, None])
+        tl.store(du + off, tl.dot(qxt, do, input_precision="tf32x3"), mask=ok[:, None])
 
 
 @triton.jit
@@ -608,9 +609,9 @@ def recurrence_bwd(
             H,
             D=D,
             C=C,
-            BK=BLOCK_D,
+            BK=min(D, _DUAL_BLOCK_D),
             VARLEN=varlen,
-            num_warps=_NUM_WARPS,
+            num_warps=_DUAL_WARPS,
         )
     if streams * T:
         wrap_triton(_recurrence_bwd_kernel)[(streams * nb,)](
