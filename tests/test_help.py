@@ -56,6 +56,7 @@ def test_the_entry_points_are_the_known_commands():
         ("tools/check_history.py",),
         ("tools/ptxas_report.py",),
         ("tools/sanitize.py",),
+        ("tools/suite_ids.py",),
     ]
 
 

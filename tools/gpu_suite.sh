@@ -19,7 +19,10 @@
 # WORKERS: pytest-xdist workers (default: the CPU count; multi_gpu: 0). PYTEST_TIMEOUT:
 # seconds before the run is interrupted (default: none); pytest then still prints the
 # failures so far. TESTS: the paths to collect (default "tests compile_tests"), to split a
-# part over several runs. OUT: a folder for the verbose log,
+# part over several runs. IDS: a file of test ids, one a line, to run only those (ids may hold
+# spaces, which TESTS cannot pass); `python tools/suite_ids.py rest LOG...` writes the ids of
+# the tests no earlier run's log reports, so a run cut by its limit is taken up where it
+# stopped. OUT: a folder for the verbose log,
 # $OUT/pytest-PART.log (a cut run still names what finished); stdout then gets the summary.
 # Compiling the kernels takes most of a cold run, so the compile caches can travel between
 # machines: with CACHE_OUT=1 the run packs Triton's and Inductor's caches into
@@ -52,8 +55,14 @@ if [ -f .tcache/compile-cache.tar.gz ]; then
 fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+select=()
+if [ -n "${IDS:-}" ]; then
+    [ -f "$IDS" ] || { echo "gpu_suite.sh: IDS=$IDS is not a file" >&2; exit 2; }
+    export SUITE_IDS=$(realpath "$IDS") PYTHONPATH="$PWD/tools:$PYTHONPATH"
+    select=(-p suite_ids)
+fi
 cmd=(timeout -s INT -k 30 "${PYTEST_TIMEOUT:-0}" python3 -m pytest -n "${WORKERS:-$workers}" -p no:cacheprovider
-     -rfEs --durations=15 -m "$marks" ${TESTS:-tests compile_tests} "$@")
+     "${select[@]}" -rfEs --durations=15 -m "$marks" ${TESTS:-tests compile_tests} "$@")
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     "${cmd[@]}" -v >"$OUT/pytest-$part.log" 2>&1
