@@ -433,7 +433,7 @@ def _qx_dout_kernel(
     n = tl.program_id(0)
     p = tl.program_id(1)
     h = p % H
-    if VARLEN:
+    if VARLEN:  # loaded here, not in a helper: see _tiles.bank_slots
         tok0 = tl.load(chunks + 2 * n)
         count = tl.load(chunks + 2 * n + 1).to(tl.int32)
     else:
