@@ -2,7 +2,11 @@
 ``python benchmarks/ab.py --base REV [--head REV] [--rounds N] [bench options]``.
 
 Each revision's ``sdm_ops`` (and ``benchmarks``) is exported with ``git archive`` into a temporary
-folder (the head is the working tree unless ``--head`` names a revision), and
+folder (the head is the working tree unless ``--head`` names a revision), or, where ``--base``
+or ``--head`` names a folder holding an ``sdm_ops`` package, copied from there: on a machine
+without git or the repository's history (a GPU host that got a copy of the working tree),
+export the base beforehand (``git archive main sdm_ops benchmarks | tar -x -C FOLDER``) and
+bring the folder along. Then
 ``python -m benchmarks.bench`` runs against each in a fresh process whose ``PYTHONPATH`` and
 working directory are that copy. Rounds interleave the two (base then head, then head then
 base, ...) so that a drift of the GPU's clocks or temperature falls on both. Every option this
@@ -91,9 +95,38 @@ def git(root: str, *args: str) -> str:
     ).stdout.strip()
 
 
+def is_tree(rev: str) -> bool:
+    """Whether ``rev`` names a folder holding a copy of the package rather than a revision."""
+    return os.path.isdir(os.path.join(rev, "sdm_ops"))
+
+
+def find_root() -> str:
+    """The repository's root: git's, or without git the folder above ``benchmarks/``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        return git(here, "rev-parse", "--show-toplevel")
+    except (OSError, subprocess.CalledProcessError):
+        return os.path.dirname(here)
+
+
+def describe(root: str, rev: str) -> str:
+    """``rev`` for the printed header: a revision's short hash, or the folder's path."""
+    return os.path.abspath(rev) if is_tree(rev) else git(root, "rev-parse", "--short", rev)
+
+
 def export(root: str, rev: str, dest: str) -> None:
     """``git archive REV sdm_ops [benchmarks] | tar -x -C dest`` (``benchmarks`` where REV has
-    its bench there)."""
+    its bench there), or, where ``rev`` is a folder (``is_tree``), a copy of its ``sdm_ops``
+    and ``benchmarks``."""
+    if is_tree(rev):
+        for name in ("sdm_ops", "benchmarks"):
+            if os.path.isdir(os.path.join(rev, name)):
+                shutil.copytree(
+                    os.path.join(rev, name),
+                    os.path.join(dest, name),
+                    ignore=shutil.ignore_patterns("__pycache__"),
+                )
+        return
     os.makedirs(dest)
     paths = ["sdm_ops"]
     has_bench = subprocess.run(
@@ -142,10 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--base",
         required=True,
         metavar="REV",
-        help="the revision to compare against (a commit, branch or tag)",
+        help="the revision to compare against (a commit, branch or tag), or a folder holding "
+        "a copy of its sdm_ops (and benchmarks)",
     )
     p.add_argument(
-        "--head", metavar="REV", help="the revision compared (default: the working tree's sdm_ops)"
+        "--head",
+        metavar="REV",
+        help="the revision compared, or such a folder (default: the working tree's sdm_ops)",
     )
     p.add_argument(
         "--rounds",
@@ -175,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if any(a == "--json" or a.startswith("--json=") for a in bench_args):
         parser.error("--json is set by ab.py for each run; use --out DIR to keep the results")
-    root = git(os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--show-toplevel")
+    root = find_root()
     labels = {"base": f"base {args.base}", "head": f"head {args.head or 'tree'}"}
     work = tempfile.mkdtemp(prefix="sdm_ab_")
     out = args.out or work
@@ -212,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     first = runs["head"][0]
     print(
         f"{first['device']}: torch {first['torch']}, triton {first['triton']}; "
-        f"{labels['base']} = {git(root, 'rev-parse', '--short', args.base)}, "
+        f"{labels['base']} = {describe(root, args.base)}, "
         f"{labels['head']}; median of {args.rounds} round(s) each"
     )
     sections = compare(runs["base"], runs["head"])

@@ -152,3 +152,37 @@ def test_ab_refuses_bad_options(argv, message, capsys):
 def test_ab_help_describes_every_option():
     for action in ab.build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_ab_takes_folders_for_revisions_without_git(tmp_path, monkeypatch, capsys):
+    """``--base`` and ``--head`` may name folders holding a copy of the package (a GPU host has
+    no git history): each side runs its own copy of sdm_ops, and the head's bench harness on
+    both; the header names the folders."""
+    for side in ("base", "head"):
+        (tmp_path / side / "sdm_ops").mkdir(parents=True)
+        (tmp_path / side / "sdm_ops" / "__init__.py").write_text(f"SIDE = {side!r}\n")
+        (tmp_path / side / "benchmarks").mkdir()
+        for name in ab.HARNESS:
+            (tmp_path / side / "benchmarks" / name).write_text(f"# {side}'s {name}\n")
+    seen = []
+
+    def fake_bench(copy_dir, bench_args, out, log):
+        with open(os.path.join(copy_dir, "sdm_ops", "__init__.py")) as f:
+            package = f.read()
+        with open(os.path.join(copy_dir, "benchmarks", "bench.py")) as f:
+            harness = f.read()
+        seen.append((package, harness, bench_args))
+        return with_fwd(RESULTS, 2.0 if "base" in package else 1.0, 1.0)
+
+    monkeypatch.setattr(ab, "run_bench", fake_bench)
+    monkeypatch.setattr(ab, "git", lambda *a: (_ for _ in ()).throw(OSError("no git")))
+    argv = ["--base", str(tmp_path / "base"), "--head", str(tmp_path / "head"), "--only", "main"]
+    assert ab.main(argv) == 0
+    # Two rounds, interleaved: base, head, then head, base.
+    assert [s[0] for s in seen] == [f"SIDE = {x!r}\n" for x in ("base", "head", "head", "base")]
+    assert {s[1] for s in seen} == {"# head's bench.py\n"}
+    assert {tuple(s[2]) for s in seen} == {("--only", "main")}
+    out = capsys.readouterr().out
+    assert f"= {tmp_path / 'base'}" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("a ")]
+    assert rows == [["a", "fwd", "ms", "2.000", "1.000", "0.500"]]
