@@ -83,16 +83,18 @@ def _assert_ran_ahead(name: str, prepare, cycles: int, tries: int = 3) -> None:
     """Every call returns while the GPU still sleeps, and the fastest of up to ``tries`` takes
     at most HOST_SHARE of the sleep on the host: the host's time is a wall time, which other
     processes on the machine (the suite's other workers) can stretch once in a while."""
+    best = float("inf")
     for _ in range(tries):
         host, still_asleep = _behind_a_busy_stream(prepare, cycles)
         assert still_asleep, (
             f"{name}: the GPU had finished its {SLEEP_S * 1e3:.0f} ms sleep when the call "
             f"returned after {host * 1e3:.1f} ms: the host waited for it"
         )
-        if host < HOST_SHARE * SLEEP_S:
+        best = min(best, host)
+        if best < HOST_SHARE * SLEEP_S:
             break
-    assert host < HOST_SHARE * SLEEP_S, (
-        f"{name}: the call took {host * 1e3:.1f} ms on the host at best of {tries} "
+    assert best < HOST_SHARE * SLEEP_S, (
+        f"{name}: the call took {best * 1e3:.1f} ms on the host at best of {tries} "
         f"(at most {HOST_SHARE * SLEEP_S * 1e3:.0f} ms allowed)"
     )
 
