@@ -14,11 +14,14 @@ which then do only the chunks it leaves them.
    invalid entry gets the hash bucket no slot hashes to. Entries alone in their bucket are
    alone on their slot ("lone") and need no pairing: a lone write entry has gather_w = w d,
    scatter_w = w, row_decay = d, rank 0 (gradients dw = dgw d + dsw, dd = dgw w + drd); a
-   lone read entry has gather_r = w, read_rank 0 (dw = dgr). The kernel writes those, and the
-   positions of the others ("shared", m of them, in sorted order, so that a bucket's entries
-   are side by side) into the chunk's compact list, followed by the lone entries' positions.
-   A chunk with a bucket of more than MC entries is "heavy": its count is stored as -1 and the
-   dense kernels take it whole.
+   lone read entry has gather_r = w, read_rank 0 (dw = dgr). The kernel first writes those
+   for every entry, in position order (coalesced; the kernel's time went to the scattered
+   stores of sorted order), then sorts and writes the positions of the entries that are not
+   lone ("shared", m of them, in sorted order, so that a bucket's entries are side by side)
+   into the chunk's compact list, followed by the lone entries' positions. The pairs kernel
+   overwrites the shared entries' values. A chunk with a bucket of more than MC entries is
+   "heavy": its count is stored as -1 and the dense kernels take it whole, overwriting all of
+   its values.
 2. Pairs (``chunk_prepare_pairs``) form everything of the compact list's entries, a window of
    whole buckets at a time.
 
@@ -144,18 +147,6 @@ def _publish(shared_count, compact, chunk, m, pos, shared, place, NP: tl.constex
 
 
 @triton.jit
-def _lone_entries(
-    pos, shared, m, tok0, count, h, H, W: tl.constexpr, R: tl.constexpr, EM: tl.constexpr
-):
-    """Offsets of the sorted entries in [B, T, H, W] and [B, T, H, R] tensors, and which are
-    existing lone write / read entries of a chunk that is not heavy (``m`` >= 0)."""
-    tok, is_read, j = entry_position(pos, EM)
-    row = (tok0 + tok) * H + h
-    lone = (m >= 0) & ~shared & (tok < count) & (j < tl.where(is_read, R, W))
-    return row * W + j, row * R + j, lone & ~is_read, lone & is_read
-
-
-@triton.jit
 def _chunk_sort_kernel(
     write_idx,
     write_w,
@@ -197,29 +188,36 @@ def _chunk_sort_kernel(
     tok, is_read, j = entry_position(tl.arange(0, NP), EM)
     exists = (tok < count) & (j < tl.where(is_read, R, W))
     row = (tok0 + tok) * H + h
+    wo = row * W + j
+    ro = row * R + j
+    is_w = exists & ~is_read
+    is_r = exists & is_read
     raw = tl.where(
         is_read,
-        tl.load(read_idx + row * R + j, mask=exists & is_read, other=-1).to(tl.int64),
-        tl.load(write_idx + row * W + j, mask=exists & ~is_read, other=-1).to(tl.int64),
+        tl.load(read_idx + ro, mask=is_r, other=-1).to(tl.int64),
+        tl.load(write_idx + wo, mask=is_w, other=-1).to(tl.int64),
     )
-    pos, valid, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
-    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
-
-    # Lone entries (sorted order), when the chunk is not heavy; valid ones carry weights.
-    wo, ro, lone_w, lone_r = _lone_entries(pos, shared, m, tok0, count, h, H, W, R, EM)
-    ok_w = lone_w & valid
-    ok_r = lone_r & valid
+    # Every entry as if it were lone, in position order (a token's entries side by side, so
+    # each store touches a few sectors where the sorted order scattered it over 32), before
+    # the sort: the pairs kernel overwrites the compact list's entries, the dense kernels a
+    # heavy chunk's. Invalid entries get weight 0, decay 1.
+    valid = (raw >= 0) & (raw < S)
+    ok_w = is_w & valid
+    ok_r = is_r & valid
     w = tl.load(write_w + wo, mask=ok_w, other=0.0).to(tl.float32)
     if HAS_DECAY:
         d = tl.load(decay + wo, mask=ok_w, other=1.0).to(tl.float32)
     else:
         d = tl.full((NP,), 1.0, tl.float32)
-    tl.store(gather_w + wo, w * d, mask=lone_w)
-    tl.store(scatter_w + wo, w, mask=lone_w)
-    tl.store(row_decay + wo, d, mask=lone_w)
-    tl.store(rank + wo, tl.zeros((NP,), tl.int32), mask=lone_w)
-    tl.store(gather_r + ro, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32), mask=lone_r)
-    tl.store(read_rank + ro, tl.zeros((NP,), tl.int32), mask=lone_r)
+    tl.store(gather_w + wo, w * d, mask=is_w)
+    tl.store(scatter_w + wo, w, mask=is_w)
+    tl.store(row_decay + wo, d, mask=is_w)
+    tl.store(rank + wo, tl.zeros((NP,), tl.int32), mask=is_w)
+    tl.store(gather_r + ro, tl.load(read_w + ro, mask=ok_r, other=0.0).to(tl.float32), mask=is_r)
+    tl.store(read_rank + ro, tl.zeros((NP,), tl.int32), mask=is_r)
+
+    pos, _, shared, place, m = _shared_entries(raw, exists, S, NP, KB, MC)
+    _publish(shared_count, compact, p * tl.num_programs(0) + n, m, pos, shared, place, NP)
 
 
 @triton.jit
