@@ -52,22 +52,44 @@ def pairs_launch(backward: bool, common, shared, compact, T, H, bank_rows, N, P,
     else:
         pairs = wrap_triton(_chunk_pairs_kernel)
     mc, np_, C = sizes["MC"], sizes["NP"], sizes["C"]
-    # Two tiers by shared entries (LO < m <= HI): most chunks have at most MC and take one
-    # window, straight code (in the backward, of MH = MC / 2 entries where those hold them:
-    # most chunks of the reference workload); the rest take a loop over windows
-    # (more registers: ptxas spills when its windows are 64 entries, hence MC = 32), a grid
-    # of at most STRIDED_PROGRAMS_PER_SM programs an SM. The forward holds A and QK
-    # ([C, C] each) across the loop: 8 warps hold them with 200 bytes a thread spilled at
-    # chunk 64 (ptxas of Triton 3.6), where 4 spilled 680 bytes (chunk 64) and 43 KB (chunk
-    # 128); a chunk of 128 takes 8 warps in both tiers. The forward's one-window tier, which
-    # holds no [C, C] tile, takes 8 warps too (80 registers; 142 at 4): on an H100 at the
-    # reference workload 0.127 ms against 0.133.
-    for lo, hi in [(-1, mc)] + ([(mc, np_)] if np_ > mc else []):
+    # Tiers by shared entries (LO < m <= HI): most chunks have at most MC and take one window,
+    # straight code; the rest take a loop over windows (more registers: ptxas spills when its
+    # windows are 64 entries, hence MC = 32), a grid of at most STRIDED_PROGRAMS_PER_SM
+    # programs an SM. The backward's one-window chunks go in two tiers of their own, of
+    # windows of MH = max(16, MC / 2) entries and of MC: a launch compiles to the registers of
+    # its largest window (at chunk 64, ptxas of Triton 3.6: 116 registers a thread at 4 warps
+    # for 16 entries, four programs an SM, against 198 for 32, two), and the kernel waits on
+    # its loads' latency, so the more programs an SM the better; at the reference workload 59%
+    # of the chunks have at most 16 shared entries. The forward holds A and QK ([C, C] each)
+    # across the loop: 8 warps hold them with 200 bytes a thread spilled at chunk 64, where 4
+    # spilled 680 bytes (chunk 64) and 43 KB (chunk 128); a chunk of 128 takes 8 warps in every
+    # tier. The forward's one-window tier, which holds no [C, C] tile, takes 8 warps too (80
+    # registers; 142 at 4; 152 for windows of 16): on an H100 at the reference workload
+    # 0.127 ms against 0.133.
+    mh = max(16, mc // 2)
+    if backward and mh < mc:
+        tiers = [(-1, mh, mh), (mh, mc, mc)]
+    else:
+        tiers = [(-1, mc, mc)]
+    if np_ > mc:
+        tiers.append((mc, np_, mc))
+    for lo, hi, window in tiers:
         grid = (N, P) if hi <= mc else strided_grid(N, P, device)
-        tier = dict(LO=lo, HI=hi, WALK=_WALK, **(dict(MH=max(16, mc // 2)) if backward else {}))
         warps = 8 if C >= 128 or hi > mc or not backward else _PAIRS_WARPS
         pairs[grid](
-            *common, shared, compact, T, H, bank_rows, N, P, **sizes, **tier, num_warps=warps
+            *common,
+            shared,
+            compact,
+            T,
+            H,
+            bank_rows,
+            N,
+            P,
+            **dict(sizes, MC=window),
+            LO=lo,
+            HI=hi,
+            WALK=_WALK,
+            num_warps=warps,
         )
 
 
@@ -584,7 +606,6 @@ def _pairs_bwd_chunk(
     NP: tl.constexpr,
     KB: tl.constexpr,
     MC: tl.constexpr,
-    MH: tl.constexpr,
     LO: tl.constexpr,
     HI: tl.constexpr,
     C: tl.constexpr,
@@ -618,11 +639,8 @@ def _pairs_bwd_chunk(
             compact,
             chunk,
         )
-        if HI <= MC:  # one window, of MH entries where they hold the chunk's
-            if m <= MH:
-                _pairs_bwd_window(*operands, 0, m, tok0, h, H, W, R, EM, NP, MH, C, HAS_DECAY)
-            else:
-                _pairs_bwd_window(*operands, 0, m, tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
+        if HI <= MC:  # one window (the launch's MC is its tier's window)
+            _pairs_bwd_window(*operands, 0, m, tok0, h, H, W, R, EM, NP, MC, C, HAS_DECAY)
         else:  # the forward's windows (see _pairs_chunk)
             base = compact + chunk.to(tl.int64) * NP
             s = 0
@@ -662,7 +680,6 @@ def _chunk_pairs_bwd_kernel(
     NP: tl.constexpr,
     KB: tl.constexpr,
     MC: tl.constexpr,
-    MH: tl.constexpr,
     LO: tl.constexpr,
     HI: tl.constexpr,
     C: tl.constexpr,
@@ -692,9 +709,7 @@ def _chunk_pairs_bwd_kernel(
     dims = (T, H, N, P)
     if HI <= MC:  # the tiers' grids: see _chunk_pairs_kernel
         chunk = tl.program_id(1) * N + tl.program_id(0)
-        _pairs_bwd_chunk(
-            *args, chunk, *dims, W, R, EM, NP, KB, MC, MH, LO, HI, C, HAS_DECAY, VARLEN
-        )
+        _pairs_bwd_chunk(*args, chunk, *dims, W, R, EM, NP, KB, MC, LO, HI, C, HAS_DECAY, VARLEN)
     else:
         g = tl.num_programs(0)
         for k0 in range(0, tl.cdiv(N * P, g), WALK):
@@ -713,7 +728,6 @@ def _chunk_pairs_bwd_kernel(
                             NP,
                             KB,
                             MC,
-                            MH,
                             LO,
                             HI,
                             C,
