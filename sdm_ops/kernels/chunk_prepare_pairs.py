@@ -57,8 +57,8 @@ def pairs_launch(backward: bool, common, shared, compact, T, H, bank_rows, N, P,
     # windows are 64 entries, hence MC = 32), a grid of at most STRIDED_PROGRAMS_PER_SM
     # programs an SM. The backward's one-window chunks go in two tiers of their own, of
     # windows of MH = max(16, MC / 2) entries and of MC: a launch compiles to the registers of
-    # its largest window (at chunk 64, ptxas of Triton 3.6: 116 registers a thread at 4 warps
-    # for 16 entries, four programs an SM, against 198 for 32, two), and the kernel waits on
+    # its largest window (at chunk 64, ptxas of Triton 3.6: 80 registers a thread at 4 warps
+    # for 16 entries, six programs an SM, against 198 for 32, two), and the kernel waits on
     # its loads' latency, so the more programs an SM the better; at the reference workload 59%
     # of the chunks have at most 16 shared entries. The forward holds A and QK ([C, C] each)
     # across the loop: 8 warps hold them with 200 bytes a thread spilled at chunk 64, where 4
