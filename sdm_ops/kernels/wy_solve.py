@@ -179,8 +179,46 @@ def _fwd_diag_kernel(A, Beta, X, C: tl.constexpr, SKIP: tl.constexpr):
 
 
 @triton.jit
+def _tile_if(base, R, K, live, C: tl.constexpr, TRI: tl.constexpr):
+    """``_tile`` (not transposed) where ``live``, else zeros without reading memory."""
+    o = tl.arange(0, 16)
+    row = R * 16 + o[:, None]
+    col = K * 16 + o[None, :]
+    keep = (row < C) & (col < C) & live
+    if TRI == 1:
+        keep = keep & (row >= col)
+    if TRI == 2:
+        keep = keep & (row > col)
+    return tl.load(base + row * C + col, mask=keep, other=0.0)
+
+
+@triton.jit
+def _row_tiles(a, qk, x, Beta, n, I: tl.constexpr, J, C: tl.constexpr):
+    """What block row I of column panel J of the forward reads, if I > J (else zeros, with no
+    memory read): beta L[I, K] and tril(QK)[I, K] for K = 0 .. I - 1 (zeros left of J) as two
+    tuples, X[I, I] and tril(QK)[I, I]."""
+    live = I > J
+    rows = I * 16 + tl.arange(0, 16)
+    b_i = tl.load(Beta + n * C + rows, mask=(rows < C) & live, other=0.0)
+    ls = ()
+    qs = ()
+    for K in tl.static_range(I):
+        ls = ls + (_tile_if(a, I, K, live & (K >= J), C, 2) * b_i[:, None],)
+        qs = qs + (_tile_if(qk, I, K, live & (K >= J), C, 1),)
+    return ls, qs, _tile_if(x, I, I, live, C, 1), _tile_if(qk, I, I, live, C, 1)
+
+
+@triton.jit
 def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr, SKIP: tl.constexpr):
-    """Column panel J = program_id(1) of X (all but X[J, J]) and QX. Needs every X[i, i]."""
+    """Column panel J = program_id(1) of X (all but X[J, J]) and QX. Needs every X[i, i].
+
+    The blocks go down the panel in a static loop. Every tile a block row I > J may read (its
+    row of A and QK from block J on, X[I, I], beta) is loaded before its products, for the whole
+    panel at once where C <= 64, else a block row at a time, so that a panel waits on one or a
+    few round trips instead of one a tile; the X[K, J] it computes stay in registers (a tuple
+    indexed by the static K) rather than being stored and read back. The products, their skips
+    and their order are those of a tile-by-tile loop: K = J first (X[J, J] often the identity),
+    then K = J + 1 .. I - 1."""
     NT: tl.constexpr = (C + 15) // 16
     n = tl.program_id(0).to(tl.int64)
     J = tl.program_id(1)
@@ -191,60 +229,70 @@ def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr, SKIP: tl.constexpr):
     qx = QX + base
     o = tl.arange(0, 16)
     zero = tl.zeros((16, 16), dtype=tl.float32)
+    # Every tile a block row I > J may read, loaded before any store and product: for all
+    # block rows at once where there are at most 4 (C <= 64), else block row by block row
+    # (registers).
+    ahead = ()
+    if NT <= 4:
+        for I in tl.static_range(NT):
+            ahead = ahead + (_row_tiles(a, qk, x, Beta, n, I, J, C),)
+    x_jj = _tile(x, J, J, C, 1, False)
+    qk_jj = _tile(qk, J, J, C, 1, False)
     for R in range(0, J):
         _put(x, R, J, zero, C)
         _put(qx, R, J, zero, C)
-    x_jj = _tile(x, J, J, C, 1, False)
-    qk_jj = _tile(qk, J, J, C, 1, False)
     eye_jj = _is_eye(x_jj, SKIP)
     if eye_jj:
         q_jj = qk_jj
     else:
         q_jj = _mm(qk_jj, x_jj, zero)
     _put(qx, J, J, tl.where(o[:, None] >= o[None, :], q_jj, 0.0), C)
-    for I in range(J + 1, NT):
-        rows = I * 16 + o
-        b_i = tl.load(Beta + n * C + rows, mask=rows < C, other=0.0)
-        lx = zero
-        q_ij = zero
-        # K = J: X[J, J], often the identity.
-        l_ik = _tile(a, I, J, C, 2, False) * b_i[:, None]
-        q_ik = _tile(qk, I, J, C, 1, False)
-        hit = _used(l_ik, SKIP)  # whether lx may be nonzero
-        if eye_jj:
+    xs = ()  # X[K, J] of the block rows above, by K (zeros for K <= J, never read)
+    for I in tl.static_range(NT):
+        x_ij = zero
+        if I > J:
+            if NT <= 4:
+                ls, qs, x_ii, qk_ii = ahead[I]
+            else:
+                ls, qs, x_ii, qk_ii = _row_tiles(a, qk, x, Beta, n, I, J, C)
+            lx = zero
+            q_ij = zero
+            hit = False  # whether lx may be nonzero
+            for K in tl.static_range(I):
+                l_ik = ls[K]
+                q_ik = qs[K]
+                if K == J:  # X[J, J], often the identity
+                    hit = _used(l_ik, SKIP)
+                    if eye_jj:
+                        if hit:
+                            lx = l_ik
+                        q_ij = q_ik
+                    else:
+                        if hit:
+                            lx = _mm(l_ik, x_jj, lx)
+                        if _used(q_ik, SKIP):
+                            q_ij = _mm(q_ik, x_jj, q_ij)
+                elif K > J:
+                    use_l = _used(l_ik, SKIP)
+                    use_q = _used(q_ik, SKIP)
+                    if use_l | use_q:
+                        x_kj = xs[K]
+                        if _used(x_kj, SKIP):
+                            if use_l:
+                                lx = _mm(l_ik, x_kj, lx)
+                                hit = True
+                            if use_q:
+                                q_ij = _mm(q_ik, x_kj, q_ij)
+            x_ij = -lx
             if hit:
-                lx = l_ik
-            q_ij = q_ik
-        else:
+                if not _is_eye(x_ii, SKIP):
+                    x_ij = -_mm(x_ii, lx, zero)
+            _put(x, I, J, x_ij, C)
             if hit:
-                lx = _mm(l_ik, x_jj, lx)
-            if _used(q_ik, SKIP):
-                q_ij = _mm(q_ik, x_jj, q_ij)
-        for K in range(J + 1, I):
-            l_ik = _tile(a, I, K, C, 2, False) * b_i[:, None]
-            q_ik = _tile(qk, I, K, C, 1, False)
-            use_l = _used(l_ik, SKIP)
-            use_q = _used(q_ik, SKIP)
-            if use_l | use_q:
-                x_kj = _tile(x, K, J, C, 1, False)
-                if _used(x_kj, SKIP):
-                    if use_l:
-                        lx = _mm(l_ik, x_kj, lx)
-                        hit = True
-                    if use_q:
-                        q_ij = _mm(q_ik, x_kj, q_ij)
-        x_ij = -lx
-        if hit:
-            x_ii = _tile(x, I, I, C, 1, False)
-            if not _is_eye(x_ii, SKIP):
-                x_ij = -_mm(x_ii, lx, zero)
-        _put(x, I, J, x_ij, C)
-        tl.debug_barrier()  # X[I, J] is read back by the next blocks of this panel
-        if hit:
-            qk_ii = _tile(qk, I, I, C, 1, False)
-            if _used(qk_ii, SKIP):
-                q_ij = _mm(qk_ii, x_ij, q_ij)
-        _put(qx, I, J, q_ij, C)
+                if _used(qk_ii, SKIP):
+                    q_ij = _mm(qk_ii, x_ij, q_ij)
+            _put(qx, I, J, q_ij, C)
+        xs = xs + (x_ij,)
 
 
 @triton.jit
