@@ -54,9 +54,11 @@ the other operand does not reach through them, as in a sparse matrix product. At
 workload (C = 64, W = R = 8, S = 65536) this leaves about 1.5 of a chunk's 36 tile
 products forward and 14 of 80 backward, and 11% of the diagonal blocks' substitutions.
 
-A panel kernel reads back tiles it stored itself (X[k, b], G[k, b]) after a ``tl.debug_barrier``
-(a CTA barrier, which orders a block's global stores before its later loads); tiles of another
-program are only read in a later launch.
+The forward panel kernel loads every tile its block rows read before its products (the whole
+panel at once for C <= 64) and keeps the X[k, b] it computes in registers; the backward panel
+kernel reads back the G[k, b] it stored after a ``tl.debug_barrier`` (a CTA barrier, which
+orders a block's global stores before its later loads). Tiles of another program are only read
+in a later launch.
 
 Determinism: no atomics; every output element (and every staged or scratch element) is written
 by exactly one program of a launch, and every sum is accumulated in a fixed order by a fixed
@@ -75,8 +77,8 @@ from torch.library import wrap_triton
 TILE = 16  # edge of the square tiles (the smallest tl.dot shape)
 
 # Pinned (num_warps, num_stages). The substitution is a chain of 16-wide row updates (one warp);
-# the panel kernels chain 16 x 16 x 16 dots (two warps). num_stages=1: the panel kernels read
-# back what they stored behind a barrier, which no software pipelining may reorder. The row
+# the panel kernels chain 16 x 16 x 16 dots (two warps). num_stages=1: the backward panel kernel
+# reads back what it stored behind a barrier, which no software pipelining may reorder. The row
 # kernel reads only what earlier launches wrote, so its loop's loads may be pipelined (the
 # stages change no sum's order); 4 warps are faster than 2 for its backward (the launch
 # configuration is part of the rounding contract: dbeta, dA, dQK move by up to 2e-7 with it).
