@@ -102,6 +102,12 @@ def _tile(base, R, K, C: tl.constexpr, TRI: tl.constexpr, TRANS: tl.constexpr):
     """Block (R, K) of the row-major [C, C] matrix at ``base`` as a 16 x 16 tile (its transpose
     if TRANS). Zero outside [C, C] and, by the matrix's own coordinates, outside its lower
     triangle (TRI=1, diagonal included) or strict lower triangle (TRI=2); TRI=0 keeps all."""
+    return _tile_if(base, R, K, True, C, TRI, TRANS)
+
+
+@triton.jit
+def _tile_if(base, R, K, live, C: tl.constexpr, TRI: tl.constexpr, TRANS: tl.constexpr):
+    """``_tile`` where ``live``, else zeros without reading memory."""
     o = tl.arange(0, 16)
     if TRANS:
         row = R * 16 + o[None, :]
@@ -109,7 +115,7 @@ def _tile(base, R, K, C: tl.constexpr, TRI: tl.constexpr, TRANS: tl.constexpr):
     else:
         row = R * 16 + o[:, None]
         col = K * 16 + o[None, :]
-    keep = (row < C) & (col < C)
+    keep = (row < C) & (col < C) & live
     if TRI == 1:
         keep = keep & (row >= col)
     if TRI == 2:
@@ -181,20 +187,6 @@ def _fwd_diag_kernel(A, Beta, X, C: tl.constexpr, SKIP: tl.constexpr):
 
 
 @triton.jit
-def _tile_if(base, R, K, live, C: tl.constexpr, TRI: tl.constexpr):
-    """``_tile`` (not transposed) where ``live``, else zeros without reading memory."""
-    o = tl.arange(0, 16)
-    row = R * 16 + o[:, None]
-    col = K * 16 + o[None, :]
-    keep = (row < C) & (col < C) & live
-    if TRI == 1:
-        keep = keep & (row >= col)
-    if TRI == 2:
-        keep = keep & (row > col)
-    return tl.load(base + row * C + col, mask=keep, other=0.0)
-
-
-@triton.jit
 def _row_tiles(a, qk, x, Beta, n, I: tl.constexpr, J, C: tl.constexpr):
     """What block row I of column panel J of the forward reads, if I > J (else zeros, with no
     memory read): beta L[I, K] and tril(QK)[I, K] for K = 0 .. I - 1 (zeros left of J) as two
@@ -205,9 +197,9 @@ def _row_tiles(a, qk, x, Beta, n, I: tl.constexpr, J, C: tl.constexpr):
     ls = ()
     qs = ()
     for K in tl.static_range(I):
-        ls = ls + (_tile_if(a, I, K, live & (K >= J), C, 2) * b_i[:, None],)
-        qs = qs + (_tile_if(qk, I, K, live & (K >= J), C, 1),)
-    return ls, qs, _tile_if(x, I, I, live, C, 1), _tile_if(qk, I, I, live, C, 1)
+        ls = ls + (_tile_if(a, I, K, live & (K >= J), C, 2, False) * b_i[:, None],)
+        qs = qs + (_tile_if(qk, I, K, live & (K >= J), C, 1, False),)
+    return ls, qs, _tile_if(x, I, I, live, C, 1, False), _tile_if(qk, I, I, live, C, 1, False)
 
 
 @triton.jit
