@@ -293,6 +293,7 @@ _LAYOUT = ("gather_w", "gather_r", "scatter_w", "row_decay", "rank", "read_rank"
 _OUTPUTS = {
     "_bank_copy_kernel": {"dst"},
     "_first_writes_kernel": {"first"},
+    "_last_touches_kernel": {"last"},
     "_finite_select_kernel": {
         "beta_out",
         "beta_walk",
