@@ -159,23 +159,13 @@ def test_backward_is_bitwise_deterministic_on_cuda():
         assert torch.equal(first[n], second[n]), f"d{n} differs between two runs"
 
 
-@requires_kernels
-@pytest.mark.parametrize("case", ["per_stream", "shared", "packed"])
-def test_walk_from_a_zero_final_gradient_reads_and_leaves_no_row_unstored(monkeypatch, case):
-    """Without a gradient of the final bank the backward zero-fills only the bank gradient's
-    rows that no chunk touches (``recurrence_bwd.ZERO_UNTOUCHED_ONLY``). Handed a buffer full of
-    NaN, a walk that read a row before storing it would carry NaN into the gradients, and a
-    row it never stored would stay NaN: every gradient equals, bitwise, that of the backward
-    that zero-fills the whole buffer first. S = 60 for 37 tokens of 3 writes and 2 reads: rows
-    no chunk touches, rows last written and rows last only read, in every case."""
-    from sdm_ops.kernels import bank_copy, recurrence_bwd
+def _check_walk_from_a_zero_final_gradient(monkeypatch, a, chunk_size):
+    """Every gradient of a loss on ``out`` alone, with the bank gradient's buffer handed over
+    full of NaN, bitwise equal to that of the backward that zero-fills the whole buffer first
+    (``recurrence_bwd.ZERO_UNTOUCHED_ONLY`` False)."""
+    from sdm_ops.kernels import recurrence_bwd
     from sdm_ops.meta import recurrence as meta
 
-    shape = dict(H=2, D=16, S=60, W=3, R=2, seed=31, device=KERNEL_DEVICE)
-    if case == "packed":
-        a = make_packed_sdm_inputs([3, 0, 21, 13], **shape)
-    else:
-        a = make_sdm_inputs(B=2, T=37, shared=case == "shared", **shape)
     fake = meta.recurrence_bwd_fake
 
     def nan_bank_gradient(args):
@@ -186,7 +176,7 @@ def test_walk_from_a_zero_final_gradient_reads_and_leaves_no_row_unstored(monkey
     def grads():
         leaves = {k: a[k].detach().clone().requires_grad_() for k in FLOATS if k in a}
         with on_kernels():
-            out, _ = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=16)
+            out, _ = sdm_ops.sparse_delta_memory(**dict(a, **leaves), chunk_size=chunk_size)
             g_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
             return torch.autograd.grad((out * g_out.to(out.device)).sum(), list(leaves.values()))
 
@@ -199,6 +189,26 @@ def test_walk_from_a_zero_final_gradient_reads_and_leaves_no_row_unstored(monkey
         assert not x.isnan().any(), f"d{name} holds NaN"
         assert torch.equal(x.cpu().view(torch.int32), y.cpu().view(torch.int32)), f"d{name}"
 
+
+@requires_kernels
+@pytest.mark.parametrize("case", ["per_stream", "shared", "packed"])
+def test_walk_from_a_zero_final_gradient_reads_and_leaves_no_row_unstored(monkeypatch, case):
+    """Without a gradient of the final bank the backward zero-fills only the bank gradient's
+    rows that no chunk touches (``recurrence_bwd.ZERO_UNTOUCHED_ONLY``). Handed a buffer full of
+    NaN, a walk that read a row before storing it would carry NaN into the gradients, and a
+    row it never stored would stay NaN: every gradient equals, bitwise, that of the backward
+    that zero-fills the whole buffer first. S = 60 for 37 tokens of 3 writes and 2 reads (the
+    last chunk partial): rows no chunk touches, rows last written and rows last only read, in
+    every case."""
+    from sdm_ops.kernels import bank_copy
+
+    shape = dict(H=2, D=16, S=60, W=3, R=2, seed=31, device=KERNEL_DEVICE)
+    if case == "packed":
+        a = make_packed_sdm_inputs([3, 0, 21, 13], **shape)
+    else:
+        a = make_sdm_inputs(B=2, T=37, shared=case == "shared", **shape)
+    _check_walk_from_a_zero_final_gradient(monkeypatch, a, 16)
+
     # The three kinds of rows occur (the table is tested against loops in test_bank_copy.py).
     tables, banks = (None, None), 2
     if case == "packed":
@@ -210,6 +220,17 @@ def test_walk_from_a_zero_final_gradient_reads_and_leaves_no_row_unstored(monkey
         bank_copy.last_touches(a["write_idx"], a["read_idx"], 16, *tables, last)
     assert (last == bank_copy.UNTOUCHED).any()
     assert (last % 2 == 1).any() and ((last >= 0) & (last % 2 == 0)).any()
+
+
+@requires_cuda
+@pytest.mark.parametrize("bank_dtype", [torch.float32, torch.bfloat16])
+def test_walk_from_a_zero_final_gradient_at_the_reference_geometry_on_cuda(monkeypatch, bank_dtype):
+    """The same at W = R = 8, D = 64, chunk 64 (four column programs a stream), 200 tokens (the
+    last chunk partial) over 2048 slots."""
+    a = make_sdm_inputs(
+        B=2, T=200, H=2, D=64, S=2048, W=8, R=8, bank_dtype=bank_dtype, device="cuda", seed=32
+    )
+    _check_walk_from_a_zero_final_gradient(monkeypatch, a, 64)
 
 
 class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
