@@ -3,8 +3,8 @@ their fresh states): bitwise the source, per stream or from a shared bank, bfloa
 float32, special values kept, nothing written outside the destination; the forward's copy of
 the rows no chunk writes and the table it reads (``first_writes``), the backward's table of
 each row's last touching chunk (``last_touches``) and its zero fill of the rows no chunk
-touches, which are no operators of their own. The opcheck of ``sdm_internal::bank_copy`` lives in test_opcheck.py with the other
-operators'."""
+touches, which are no operators of their own. The opcheck of ``sdm_internal::bank_copy``
+lives in test_opcheck.py with the other operators'."""
 
 import itertools
 
