@@ -169,6 +169,8 @@ def _launches():
                         **a, chunk_size=c, snapshot=mode, output_final_state=True
                     )
                     (out.sum() + bank.sum()).backward()
+                # The default call (no final state): the backward from a zero bank gradient.
+                sdm_ops.sparse_delta_memory(**a, chunk_size=16)[0].sum().backward()
                 # A loss on the bank alone: the backward without an output gradient.
                 sdm_ops.sparse_delta_memory(**a, chunk_size=16, output_final_state=True)[
                     1
