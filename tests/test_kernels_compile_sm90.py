@@ -294,8 +294,7 @@ _LAYOUT = ("gather_w", "gather_r", "scatter_w", "row_decay", "rank", "read_rank"
 # What each kernel writes (its outputs and scratch); every other tensor argument is read only.
 _OUTPUTS = {
     "_bank_copy_kernel": {"dst"},
-    "_first_writes_kernel": {"first"},
-    "_last_touches_kernel": {"last"},
+    "_chunk_touches_kernel": {"table"},
     "_finite_select_kernel": {
         "beta_out",
         "beta_walk",

@@ -93,19 +93,27 @@ def _bank_copy_kernel(
 
 
 @triton.jit
-def _first_writes_kernel(
+def _chunk_touches_kernel(
     write_idx,
+    read_idx,
     chunks,
     seq_chunks,
-    first,
+    table,
     T,
     H,
     S,
     W: tl.constexpr,
+    R: tl.constexpr,
     WP: tl.constexpr,
+    RP: tl.constexpr,
     C: tl.constexpr,
+    LAST: tl.constexpr,
+    READS: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
+    """``first`` (an atomic min of each chunk's number over its write entries) or, with LAST,
+    ``last`` (an atomic max of 2n + 1 over chunk n's write entries and, with READS, of 2n over
+    its read entries). Program (p, j) walks the chunks j, j + 16, ... of stream p."""
     p = tl.program_id(0)
     h = p % H
     if VARLEN:
@@ -114,7 +122,7 @@ def _first_writes_kernel(
     else:
         lo = 0
         hi = tl.cdiv(T, C)
-    first_p = first + p.to(tl.int64) * S
+    table_p = table + p.to(tl.int64) * S
     ci = tl.arange(0, C)
     for n in range(lo + tl.program_id(1), hi, tl.num_programs(1)):
         if VARLEN:
@@ -125,7 +133,17 @@ def _first_writes_kernel(
         tok, tok_ok = token_rows(tok0, h, H, count, ci)
         went, wm = entry_offsets(tok, tok_ok, W, WP)
         s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-        tl.atomic_min(first_p + s, tl.zeros_like(s).to(tl.int32) + n, mask=ok, sem="relaxed")
+        zeros = tl.zeros_like(s).to(tl.int32)
+        if LAST:
+            tl.atomic_max(table_p + s, zeros + 2 * n + 1, mask=ok, sem="relaxed")
+            if READS:
+                rent, rm = entry_offsets(tok, tok_ok, R, RP)
+                q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
+                tl.atomic_max(
+                    table_p + q, tl.zeros_like(q).to(tl.int32) + 2 * n, mask=qok, sem="relaxed"
+                )
+        else:
+            tl.atomic_min(table_p + s, zeros + n, mask=ok, sem="relaxed")
 
 
 def _launch_copy(src, dst: torch.Tensor, first, programs: int, none: int = UNWRITTEN) -> None:
@@ -170,76 +188,40 @@ def bank_zero_untouched(dst: torch.Tensor, last: torch.Tensor) -> None:
     _launch_copy(None, dst, last, 0, UNTOUCHED)
 
 
-def first_writes(
-    write_idx: torch.Tensor, chunk_size: int, chunks, seq_chunks, first: torch.Tensor
-) -> None:
-    """Fill ``first`` [P, S] int32 (see the module docstring) from write_idx [B, T, H, W]."""
+def _launch_touches(write_idx, read_idx, chunk_size, chunks, seq_chunks, table, last) -> None:
+    """``_chunk_touches_kernel`` over the table [P, S] (filled beforehand)."""
     B, T, H, W = write_idx.shape
-    P, S = first.shape
-    first.fill_(UNWRITTEN)
-    if P * T * W == 0:
-        return
+    R = 1 if read_idx is None else read_idx.shape[-1]
     varlen = chunks is not None
-    wrap_triton(_first_writes_kernel)[(P, _FIRST_SPLIT)](
+    wrap_triton(_chunk_touches_kernel)[(table.shape[0], _FIRST_SPLIT)](
         write_idx,
+        write_idx if read_idx is None else read_idx,
         chunks if varlen else write_idx,
         seq_chunks if varlen else write_idx,
-        first,
+        table,
         T,
         H,
-        S,
+        table.shape[1],
         W=W,
-        WP=triton.next_power_of_2(W),
+        R=R,
+        WP=triton.next_power_of_2(max(W, 1)),
+        RP=triton.next_power_of_2(max(R, 1)),
         C=chunk_size,
+        LAST=last,
+        READS=read_idx is not None,
         VARLEN=varlen,
         num_warps=4,
     )
 
 
-@triton.jit
-def _last_touches_kernel(
-    write_idx,
-    read_idx,
-    chunks,
-    seq_chunks,
-    last,
-    T,
-    H,
-    S,
-    W: tl.constexpr,
-    R: tl.constexpr,
-    WP: tl.constexpr,
-    RP: tl.constexpr,
-    C: tl.constexpr,
-    READS: tl.constexpr,
-    VARLEN: tl.constexpr,
-):
-    p = tl.program_id(0)
-    h = p % H
-    if VARLEN:
-        lo = tl.load(seq_chunks + p // H).to(tl.int32)
-        hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
-    else:
-        lo = 0
-        hi = tl.cdiv(T, C)
-    last_p = last + p.to(tl.int64) * S
-    ci = tl.arange(0, C)
-    for n in range(lo + tl.program_id(1), hi, tl.num_programs(1)):
-        if VARLEN:
-            tok0 = tl.load(chunks + 2 * n)
-            count = tl.load(chunks + 2 * n + 1).to(tl.int32)
-        else:
-            tok0, count = dense_chunk(n, p, T, H, C)
-        tok, tok_ok = token_rows(tok0, h, H, count, ci)
-        went, wm = entry_offsets(tok, tok_ok, W, WP)
-        s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-        tl.atomic_max(last_p + s, tl.zeros_like(s).to(tl.int32) + 2 * n + 1, mask=ok, sem="relaxed")
-        if READS:
-            rent, rm = entry_offsets(tok, tok_ok, R, RP)
-            q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-            tl.atomic_max(
-                last_p + q, tl.zeros_like(q).to(tl.int32) + 2 * n, mask=qok, sem="relaxed"
-            )
+def first_writes(
+    write_idx: torch.Tensor, chunk_size: int, chunks, seq_chunks, first: torch.Tensor
+) -> None:
+    """Fill ``first`` [P, S] int32 (see the module docstring) from write_idx [B, T, H, W]."""
+    first.fill_(UNWRITTEN)
+    if first.shape[0] * write_idx.shape[1] * write_idx.shape[3] == 0:
+        return
+    _launch_touches(write_idx, None, chunk_size, chunks, seq_chunks, first, last=False)
 
 
 def last_touches(
@@ -252,28 +234,7 @@ def last_touches(
 ) -> None:
     """Fill ``last`` [P, S] int32 (see the module docstring) from write_idx [B, T, H, W] and,
     unless None, read_idx [B, T, H, R]."""
-    B, T, H, W = write_idx.shape
-    R = 1 if read_idx is None else read_idx.shape[-1]
-    P, S = last.shape
     last.fill_(UNTOUCHED)
-    if P * T == 0:
+    if last.shape[0] * write_idx.shape[1] == 0:
         return
-    varlen = chunks is not None
-    wrap_triton(_last_touches_kernel)[(P, _FIRST_SPLIT)](
-        write_idx,
-        write_idx if read_idx is None else read_idx,
-        chunks if varlen else write_idx,
-        seq_chunks if varlen else write_idx,
-        last,
-        T,
-        H,
-        S,
-        W=W,
-        R=R,
-        WP=triton.next_power_of_2(max(W, 1)),
-        RP=triton.next_power_of_2(max(R, 1)),
-        C=chunk_size,
-        READS=read_idx is not None,
-        VARLEN=varlen,
-        num_warps=4,
-    )
+    _launch_touches(write_idx, read_idx, chunk_size, chunks, seq_chunks, last, last=True)
