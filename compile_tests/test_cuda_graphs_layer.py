@@ -195,7 +195,8 @@ def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
     # and the layer's forward (a snapshot kept for the backward) does not launch that kernel.
     found = kernels_defined_in(candidates, codes)
     # Forward: product-key top-k (read and write addresses), the selection of finite inputs,
-    # phase 1 (sort, pairs, and the dense kernel for heavy chunks), the WY solve's two kernels,
+    # phase 1 (sort, pairs, and the dense kernel for heavy chunks), the WY solve's three kernels
+    # (the pairs solve, then the diag and panel kernels for the chunks it leaves),
     # the first-write table, the copy of the bank rows no chunk writes and phase 2. Backward:
     # the bank gradient's copy, phase 2's three kernels (QX^T dout, the walk, and the dual
     # matmul, which carries the WY solve's backward), phase 1's three (on the forward's sort:
@@ -206,6 +207,6 @@ def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
 _bank_copy_kernel _chunk_lone_bwd_kernel _chunk_pairs_bwd_kernel \
 _chunk_pairs_kernel _chunk_prepare_bwd_kernel _chunk_prepare_kernel _chunk_sort_kernel \
 _chunk_touches_kernel _dual_matmul_bwd_kernel _finite_select_kernel _fwd_diag_kernel \
-_fwd_panel_kernel _product_key_topk_bwd _product_key_topk_fwd _qx_dout_kernel \
-_recurrence_bwd_kernel _recurrence_fwd_kernel""",
+_fwd_panel_kernel _pairs_solve_kernel _product_key_topk_bwd _product_key_topk_fwd \
+_qx_dout_kernel _recurrence_bwd_kernel _recurrence_fwd_kernel""",
     )

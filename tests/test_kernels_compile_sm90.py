@@ -331,6 +331,7 @@ _OUTPUTS = {
     "_varlen_chunks_kernel": {"chunks", "seq_chunks"},
     "_fwd_diag_kernel": {"X"},
     "_fwd_panel_kernel": {"X", "QX"},
+    "_pairs_solve_kernel": {"X", "QX"},
     "_bwd_panel_kernel": {"G", "W"},
     "_bwd_row_kernel": {"dA", "dBeta", "dQK"},
     "_product_key_topk_fwd": {"val_ptr", "lin_ptr"},

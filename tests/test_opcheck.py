@@ -717,6 +717,21 @@ def test_opcheck_chunk_prepare(device, packed):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("packed", [False, True])
+def test_opcheck_wy_solve_pairs(device, packed):
+    values = recurrence_operands(device, packed=packed)
+    C, entries = values["chunk_size"], values["pair_entries"]
+    args = (
+        values["A"].reshape(-1, C, C),
+        _chunk_betas(values["beta"], C, values["chunks"]),
+        values["QK"].reshape(-1, C, C),
+        values["pair_count"].reshape(-1),
+        entries.reshape(-1, entries.shape[-1]),
+    )
+    opcheck(ops.wy_solve_pairs, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True])
 def test_opcheck_recurrence_fwd(device, packed):
     values = recurrence_operands(device, packed=packed)
     opcheck(ops.recurrence_fwd, op_args(ops.recurrence_fwd, dict(values, snapshot="int4")))

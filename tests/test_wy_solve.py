@@ -253,3 +253,68 @@ def test_a_tile_holding_only_a_nan_is_not_skipped(monkeypatch):
         assert not (got.isnan() & ~dense.isnan()).any(), f"{name}: NaN where the dense has none"
         finite = ~dense.isnan()
         assert_same_as_dense(got[finite], dense[finite], f"{name}'s finite entries")
+
+
+def _mixed_chunks(C: int, seed: int) -> dict:
+    """Recurrence inputs (B = 1, H = 2) whose chunks take every path of the recurrence's solve:
+    addressing over 3 C^2 slots (about four pairs of shared entries, and the chain below: one
+    window, the pairs solve), over 24 slots (more shared entries than a window: the panel
+    kernels), onto one slot (a bucket over the window: phase 1's dense kernels, then the panel
+    kernels), and a partial last chunk over 5000 slots."""
+    from tests.helpers import make_sdm_inputs
+
+    a = make_sdm_inputs(B=1, T=3 * C + C // 2, H=2, D=16, S=5000, W=3, R=2, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name in ("write_idx", "read_idx"):
+        idx = a[name]
+        idx[:, :C] = torch.randint(0, 3 * C * C, idx[:, :C].shape, generator=g)
+        idx[:, C : 2 * C] = torch.randint(0, 24, idx[:, C : 2 * C].shape, generator=g)
+        idx[:, 2 * C : 3 * C] = 7
+    # In the first chunk, tokens 1, 3, 6 and 8 write slot 4999 and token 5 reads it: X holds
+    # a chain of three (X[8, 1] through X[6, 3] and X[3, 1]: two passes of the pairs solve
+    # after its first), and QX[5, 1] takes QK[5, 3] X[3, 1].
+    a["write_idx"][:, [1, 3, 6, 8], :, 0] = 4999
+    a["read_idx"][:, 5, :, 0] = 4999
+    return {k: v.to(KERNEL_DEVICE) for k, v in a.items()}
+
+
+@requires_kernels
+@pytest.mark.parametrize("c", [16, 32, 64])
+def test_pairs_solve_matches_the_float64_solve_on_phase_1s_chunks(c, monkeypatch):
+    """``sdm_internal::wy_solve_pairs`` on phase 1's A, QK and pair lists, with chunks of every
+    path in one call: X and QX within float32 rounding of the float64 solve, +0.0 above the
+    diagonal, ones on it; the chunks the pairs solve leaves to the panel kernels bitwise as
+    the panel kernels alone give them, and the others close to those."""
+    from sdm_ops import ops
+    from sdm_ops.layout import Prepared
+    from sdm_ops.ops.recurrence import _chunk_betas
+
+    a = _mixed_chunks(c, seed=40 + c)
+    S = 5000
+    with on_kernels():
+        outs = ops.chunk_prepare(
+            a["write_idx"], a["write_w"], a["read_idx"], a["read_w"], a["decay"], S, c
+        )
+    n = len(Prepared._fields)
+    A, QK = (t.reshape(-1, c, c) for t in outs[:2])
+    count, entries = outs[n].reshape(-1), outs[n + 1].reshape(-1, outs[n + 1].shape[-1])
+    beta = _chunk_betas(a["beta"], c)
+    mc = min(32, entries.shape[-1])
+    solved = ((count >= 0) & (count <= mc)).cpu()
+    many = (count > mc).cpu()
+    assert solved.any() and many.any() and (count == -1).any(), count
+    with on_kernels():
+        X, QX = (t.cpu() for t in ops.wy_solve_pairs(A, beta, QK, count, entries))
+        monkeypatch.setattr(wy_kernels, "PAIRS_SOLVE", False)
+        pX, pQX = (t.cpu() for t in ops.wy_solve_pairs(A, beta, QK, count, entries))
+    rX, rQX = wy_solve_reference(A.cpu().double(), beta.cpu().double(), QK.cpu().double())
+    assert_close(X, rX, rtol=RTOL, name=f"X (C={c})")
+    assert_close(QX, rQX, rtol=RTOL, name=f"QX (C={c})")
+    assert_exact_zero_above(X, 1, "X")
+    assert_exact_zero_above(QX, 1, "QX")
+    assert torch.equal(torch.diagonal(X, dim1=1, dim2=2), torch.ones(len(X), c))
+    assert torch.equal(X[~solved], pX[~solved]) and torch.equal(QX[~solved], pQX[~solved])
+    assert_close(X[solved], pX[solved], rtol=RTOL, name="X against the panels")
+    assert_close(QX[solved], pQX[solved], rtol=RTOL, name="QX against the panels")
+    # Some solved chunk holds more than the identity (a pair term of A reached X).
+    assert (X[solved] != torch.eye(c)).any()

@@ -28,6 +28,7 @@ full float32 (input_precision="ieee": the inverse amplifies rounding).
 Kernels, each launched on the grid (N, NT): program (n, b) handles block b of chunk n.
 
   _fwd_diag_kernel     X[b, b] = (I + L[b, b])^-1 by forward substitution, row by row.
+                       With SOLVED, chunks the pairs solve took are skipped (as by the panel).
   _fwd_panel_kernel    column panel b of X and QX: zeros above block b, QX[b, b], then down the
                        blocks i > b, X[i, b] = -X[i, i] @ sum_{k=b}^{i-1} L[i, k] X[k, b] and
                        QX[i, b] = sum_{k=b}^{i} tril(QK)[i, k] X[k, b].
@@ -37,6 +38,25 @@ Kernels, each launched on the grid (N, NT): program (n, b) handles block b of ch
   _bwd_row_kernel      row panel b of dA, dQK and dbeta: for each block j <= b, the dots
                        W[b, k] X[j, k]^T and dQX[b, k] X[j, k]^T over k <= j; zeros right of
                        block b; dbeta sums the row panel's dL * A locally.
+
+The pairs solve. Phase 1's sparse path lists each chunk's entries that share a slot with
+another (``layout.PairLists``); A and QK are zero outside those entries' tokens. Where a chunk's
+list is one window of at most MC entries (most chunks in a large bank), ``_pairs_solve_kernel``
+(grid (N,), launched by ``wy_solve_fwd`` given the lists) solves the chunk on the list alone.
+With the "heads" the first entry of each (token, side) of the list, it gathers L = beta A
+between the write heads' tokens and QK from the read heads' tokens to the write heads', and
+with Y = X - I there (X = I elsewhere: L has no terms outside those tokens)
+
+    Y[a] = -(L[a] + L[a] Y)        over the write heads in token order (forward substitution)
+    QX   = tril(QK) + sum_k tril(QK)[:, k] Y[k]   over the write heads k in token order
+
+on [MC, MC] registers, each sum a fixed reduction, as many steps as the chunk has write heads
+(a few at the reference workload). It stores X (the identity, then Y's elements) and QX
+(zeros, then its elements), one writer an element, after a barrier that orders the tile's own
+stores before them. The diag and panel kernels, given the pair counts, skip those chunks and
+take the rest (a list of several windows, or a chunk phase 1's dense kernels took). The two
+paths round differently from each other, each deterministically; a chunk's path depends only
+on its own addressing.
 
 Zero tiles. In a large bank few entries of a chunk share a slot, so most 16 x 16 tiles of A and
 QK are zero, and X is the identity plus a few tiles. The kernels skip every product whose tile
@@ -74,6 +94,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from . import chunk_prepare_sparse
+
 TILE = 16  # edge of the square tiles (the smallest tl.dot shape)
 
 # Pinned (num_warps, num_stages). The substitution is a chain of 16-wide row updates (one warp);
@@ -85,6 +107,11 @@ TILE = 16  # edge of the square tiles (the smallest tl.dot shape)
 _DIAG_CONFIG = (1, 1)
 _PANEL_CONFIG = (2, 1)
 _ROW_CONFIG = (4, 3)
+
+# Solve the chunks whose pair list is one window from the list (see "The pairs solve"); False
+# leaves every chunk to the diag and panel kernels, as the tests' twin.
+PAIRS_SOLVE = True
+_PAIRS_SOLVE_WARPS = 8  # 54 registers a thread (Triton 3.6, C = 64): four programs an SM
 
 # Skip each product whose A, QK or X tile is all zero (see "Zero tiles" above); False runs every
 # product, as the tests' dense twin.
@@ -164,9 +191,27 @@ def _is_eye(t, SKIP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_diag_kernel(A, Beta, X, C: tl.constexpr, SKIP: tl.constexpr):
+def _solved(count, n, MC: tl.constexpr, SOLVED: tl.constexpr):
+    """Whether the pairs solve took chunk n (its pair list one window: 0 <= count <= MC)."""
+    if SOLVED:
+        m = tl.load(count + n)
+        return (m >= 0) & (m <= MC)
+    else:
+        return False
+
+
+@triton.jit
+def _fwd_diag_kernel(
+    A, Beta, X, count, C: tl.constexpr, MC: tl.constexpr, SKIP: tl.constexpr, SOLVED: tl.constexpr
+):
     """X[T, T] = (I + L[T, T])^-1 for T = program_id(1); writes nothing else."""
     n = tl.program_id(0).to(tl.int64)
+    if not _solved(count, n, MC, SOLVED):
+        _fwd_diag(A, Beta, X, n, C, SKIP)
+
+
+@triton.jit
+def _fwd_diag(A, Beta, X, n, C: tl.constexpr, SKIP: tl.constexpr):
     T = tl.program_id(1)
     a = A + n * C * C
     o = tl.arange(0, 16)
@@ -203,8 +248,27 @@ def _row_tiles(a, qk, x, Beta, n, I: tl.constexpr, J, C: tl.constexpr):
 
 
 @triton.jit
-def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr, SKIP: tl.constexpr):
-    """Column panel J = program_id(1) of X (all but X[J, J]) and QX. Needs every X[i, i].
+def _fwd_panel_kernel(
+    A,
+    Beta,
+    QK,
+    X,
+    QX,
+    count,
+    C: tl.constexpr,
+    MC: tl.constexpr,
+    SKIP: tl.constexpr,
+    SOLVED: tl.constexpr,
+):
+    """Column panel J = program_id(1) of X (all but X[J, J]) and QX. Needs every X[i, i]."""
+    n = tl.program_id(0).to(tl.int64)
+    if not _solved(count, n, MC, SOLVED):
+        _fwd_panel(A, Beta, QK, X, QX, n, C, SKIP)
+
+
+@triton.jit
+def _fwd_panel(A, Beta, QK, X, QX, n, C: tl.constexpr, SKIP: tl.constexpr):
+    """The panel kernel's body, for chunk n.
 
     The blocks go down the panel in a static loop. Every tile a block row I > J may read (its
     row of A and QK from block J on, X[I, I], beta) is loaded before its products, for the whole
@@ -214,7 +278,6 @@ def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr, SKIP: tl.constexpr):
     and their order are those of a tile-by-tile loop: K = J first (X[J, J] often the identity),
     then K = J + 1 .. I - 1."""
     NT: tl.constexpr = (C + 15) // 16
-    n = tl.program_id(0).to(tl.int64)
     J = tl.program_id(1)
     base = n * C * C
     a = A + base
@@ -287,6 +350,69 @@ def _fwd_panel_kernel(A, Beta, QK, X, QX, C: tl.constexpr, SKIP: tl.constexpr):
                     q_ij = _mm(qk_ii, x_ij, q_ij)
             _put(qx, I, J, q_ij, C)
         xs = xs + (x_ij,)
+
+
+@triton.jit
+def _pairs_solve_kernel(
+    A,
+    Beta,
+    QK,
+    X,
+    QX,
+    count,
+    entries,
+    C: tl.constexpr,
+    EM: tl.constexpr,
+    NP: tl.constexpr,
+    MC: tl.constexpr,
+):
+    """X and QX of chunk program_id(0) if the pairs solve takes it (see "The pairs solve")."""
+    n = tl.program_id(0).to(tl.int64)
+    m = tl.load(count + n)
+    if (m >= 0) & (m <= MC):
+        e = tl.arange(0, MC)
+        ok = e < m
+        # Loaded here, not in a helper: the stores below are addressed by these tokens (see
+        # kernels/chunk_prepare_pairs.py on what Inductor counts as written).
+        pos = tl.load(entries + n * NP + e, mask=ok, other=0)
+        tok = pos // (2 * EM)
+        is_read = (pos // EM) % 2 == 1
+        both = ok[:, None] & ok[None, :]
+        side = both & (tok[:, None] == tok[None, :]) & (is_read[:, None] == is_read[None, :])
+        head = ok & (tl.sum((side & (e[None, :] < e[:, None])).to(tl.int32), 1) == 0)
+        wh = head & ~is_read  # X's rows and columns
+        rh = head & is_read  # QX's rows
+        base = n * C * C
+        at = tok[:, None] * C + tok[None, :]  # in the chunk's [C, C] (int32)
+        x_at = wh[:, None] & wh[None, :] & (tok[:, None] > tok[None, :])
+        b = tl.load(Beta + n * C + tok, mask=wh, other=0.0)
+        lh = tl.load(A + base + at, mask=x_at, other=0.0) * b[:, None]
+        q_at = rh[:, None] & wh[None, :] & (tok[:, None] >= tok[None, :])
+        qh = tl.load(QK + base + at, mask=q_at, other=0.0)
+        # Forward substitution over the write heads in token order (``order``: how many write
+        # heads come before, by token): Y[a] = -(L[a] + L[a] Y), with every row of Y that
+        # L[a] reaches final; then QX = tril(QK) (I + Y), adding QK[:, k] Y[k] in that order.
+        order = tl.sum((wh[None, :] & (tok[None, :] < tok[:, None])).to(tl.int32), 1)
+        heads = tl.sum(wh.to(tl.int32), 0)
+        y = tl.zeros((MC, MC), tl.float32)
+        qx = qh
+        for r in range(0, heads):
+            row = wh & (order == r)  # the r-th write head
+            l_r = tl.sum(tl.where(row[:, None], lh, 0.0), 0)
+            y_r = -(l_r + tl.sum(l_r[:, None] * y, 0))
+            y = tl.where(row[:, None], y_r[None, :], y)
+        for r in range(0, heads):
+            row = wh & (order == r)
+            y_r = tl.sum(tl.where(row[:, None], y, 0.0), 0)
+            q_r = tl.sum(tl.where(row[None, :], qh, 0.0), 1)
+            qx += q_r[:, None] * y_r[None, :]
+        cols = tl.arange(0, C)
+        tile = base + cols[:, None] * C + cols[None, :]
+        tl.store(X + tile, tl.where(cols[:, None] == cols[None, :], 1.0, 0.0))
+        tl.store(QX + tile, tl.zeros((C, C), tl.float32))
+        tl.debug_barrier()  # the tile's identity and zeros before the elements the list holds
+        tl.store(X + base + at, y, mask=x_at)
+        tl.store(QX + base + at, qx, mask=q_at)
 
 
 @triton.jit
@@ -374,20 +500,70 @@ def _bwd_row_kernel(A, Beta, X, dQX, W, dA, dBeta, dQK, C: tl.constexpr, SKIP: t
 
 
 def wy_solve_fwd(
-    A: torch.Tensor, beta: torch.Tensor, QK: torch.Tensor, X: torch.Tensor, QX: torch.Tensor
+    A: torch.Tensor,
+    beta: torch.Tensor,
+    QK: torch.Tensor,
+    X: torch.Tensor,
+    QX: torch.Tensor,
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Fill X = (I + tril(beta A, -1))^-1 and QX = tril(QK) X; shapes and layout as above."""
+    """Fill X = (I + tril(beta A, -1))^-1 and QX = tril(QK) X; shapes and layout as above.
+    With ``pairs`` (phase 1's pair lists of these chunks: count [N] int32 and entries [N, NP]
+    int32, ``layout.PairLists``), the pairs solve takes the chunks whose list is one window and
+    the diag and panel kernels the others."""
     n, c = A.shape[0], A.shape[1]
     if n == 0 or c == 0:
         return
     grid = (n, triton.cdiv(c, TILE))
+    # The pairs kernels' window (``chunk_prepare_sparse.sparse_geometry``); none where the
+    # sparse path is off (every count is then -1).
+    np_ = 0 if pairs is None else pairs[1].shape[-1]
+    mc = min(chunk_prepare_sparse.COMPACT, np_)
+    solved = PAIRS_SOLVE and mc >= 16
+    mc = mc if solved else 16
+    count = pairs[0] if solved else A
+    if solved:
+        wrap_triton(_pairs_solve_kernel)[(n,)](
+            A,
+            beta,
+            QK,
+            X,
+            QX,
+            count,
+            pairs[1],
+            C=c,
+            EM=np_ // (2 * c),
+            NP=np_,
+            MC=mc,
+            num_warps=_PAIRS_SOLVE_WARPS,
+        )
     warps, stages = _DIAG_CONFIG
     wrap_triton(_fwd_diag_kernel)[grid](
-        A, beta, X, C=c, SKIP=SKIP_ZERO_TILES, num_warps=warps, num_stages=stages
+        A,
+        beta,
+        X,
+        count,
+        C=c,
+        MC=mc,
+        SKIP=SKIP_ZERO_TILES,
+        SOLVED=solved,
+        num_warps=warps,
+        num_stages=stages,
     )
     warps, stages = _PANEL_CONFIG
     wrap_triton(_fwd_panel_kernel)[grid](
-        A, beta, QK, X, QX, C=c, SKIP=SKIP_ZERO_TILES, num_warps=warps, num_stages=stages
+        A,
+        beta,
+        QK,
+        X,
+        QX,
+        count,
+        C=c,
+        MC=mc,
+        SKIP=SKIP_ZERO_TILES,
+        SOLVED=solved,
+        num_warps=warps,
+        num_stages=stages,
     )
 
 

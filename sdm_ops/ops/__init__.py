@@ -18,7 +18,8 @@ arguments:
 
 Namespace ``sdm_internal`` holds the pieces they run, which take contiguous inputs: the chunk
 tables of a packed batch (``varlen_chunks``), the finite inputs of phase 1 (``finite_select``),
-phase 1 (``chunk_prepare``), phase 2
+phase 1 (``chunk_prepare``), the recurrence's WY solve given phase 1's pair lists
+(``wy_solve_pairs``), phase 2
 (``recurrence_fwd``; ``recurrence_fwd_`` in place), the bank copy (``bank_copy``), the decode
 step (``decode_step_``), the backward operators (``wy_solve_backward``,
 ``product_key_topk_backward``, ``recurrence_bwd``, ``chunk_prepare_backward``), the working
@@ -62,7 +63,7 @@ from .recurrence import (
     sparse_delta_memory_inplace_route,
     sparse_delta_memory_route,
 )
-from .wy_solve import wy_solve, wy_solve_backward, wy_solve_route
+from .wy_solve import wy_solve, wy_solve_backward, wy_solve_pairs, wy_solve_route
 
 # Graphs torch.compile cached for another version of this package are not reused.
 COMPILE_CACHE_TAG = key_compile_caches()
@@ -93,6 +94,7 @@ __all__ = [
     "rows_to_bank",
     "decode_step_",
     "wy_solve_backward",
+    "wy_solve_pairs",
     "product_key_topk_backward",
     "eager",
 ]

@@ -30,7 +30,7 @@ from .phases import (
     _rows_to_bank,
     _varlen_chunks,
 )
-from .wy_solve import _wy_solve
+from .wy_solve import _wy_solve_pairs
 
 
 class Phase1(NamedTuple):
@@ -119,7 +119,13 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
     prep, pairs = Prepared(*outs[:n]), PairLists(*outs[n:])
     prep = prep._replace(gather_r=_finite.poison_reads(prep.gather_r, bad_reads))
     A = prep.A
-    X, QX = _wy_solve(A.view(-1, C, C), _chunk_betas(clean_beta, C, chunks), prep.QK.view(-1, C, C))
+    X, QX = _wy_solve_pairs(
+        A.view(-1, C, C),
+        _chunk_betas(clean_beta, C, chunks),
+        prep.QK.view(-1, C, C),
+        pairs.count.reshape(-1),
+        pairs.entries.reshape(-1, pairs.entries.shape[-1]),
+    )
     finite = [*selected[:5], *selected[6:]]  # _finite.KEPT_FOR_BACKWARD
     X, QX = X.view(A.shape), QX.view(A.shape)
     return Phase1(prep, pairs, X, QX, chunks, seq_chunks, beta_walk, finite)

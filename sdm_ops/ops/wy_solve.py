@@ -42,6 +42,41 @@ wy_solve = _wy_solve.op
 
 
 # ---------------------------------------------------------------------------
+# sdm_internal::wy_solve_pairs: the recurrence's solve, given phase 1's pair lists
+# ---------------------------------------------------------------------------
+
+
+@kernel_op("sdm_internal::wy_solve_pairs", on="A", fake=meta.wy_solve_fake)
+def _wy_solve_pairs(
+    A: Tensor, beta: Tensor, QK: Tensor, pair_count: Tensor, pair_entries: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``sdm::wy_solve`` of phase 1's chunks (A, QK [N, C, C], beta [N, C], contiguous), given
+    their pair lists (``layout.PairLists`` flattened to the chunks: pair_count [N], pair_entries
+    [N, NP]): a chunk whose list is one window is solved from it, the others by the diag and
+    panel kernels (``kernels/wy_solve.py``, "The pairs solve"). No autograd: the recurrence's
+    backward carries the solve's gradient itself."""
+
+
+@_wy_solve_pairs.kernels
+def _wy_solve_pairs_kernels(a) -> tuple[Tensor, Tensor]:
+    from ..kernels import wy_solve as k
+
+    X, QX = meta.wy_solve_fake(a)
+    with on_device(a.A):
+        k.wy_solve_fwd(a.A, a.beta, a.QK, X, QX, (a.pair_count, a.pair_entries))
+    return X, QX
+
+
+@_wy_solve_pairs.reference
+def _wy_solve_pairs_cpu(a) -> tuple[Tensor, Tensor]:
+    X, QX = reference.wy_solve_reference(a.A, a.beta, a.QK)
+    return X.contiguous(), QX.contiguous()
+
+
+wy_solve_pairs = _wy_solve_pairs.op
+
+
+# ---------------------------------------------------------------------------
 # sdm_internal::wy_solve_backward
 # ---------------------------------------------------------------------------
 
