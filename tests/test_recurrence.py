@@ -59,6 +59,26 @@ def test_tiled_phase2_matches_the_oracle_with_padding_duplicates_and_partial_chu
         assert_close(bank, bank_r, rtol=1e-5, name=f"bank (grad {grad})")
 
 
+def test_a_geometry_without_phase_1s_sparse_path_matches_the_oracle():
+    """W = 17 at chunk 64 has more entry positions a chunk than phase 1's sparse path takes
+    (``layout.pair_positions`` 0: pair lists of no positions), so the dense kernels and the
+    WY solve's panels take every chunk, with and without autograd."""
+    from sdm_ops.layout import pair_positions
+
+    assert pair_positions(17, 2, 64) == 0
+    a = _inputs(B=1, T=40, H=1, D=16, S=300, W=17, R=2, seed=17)
+    out_r, bank_r = _oracle(a)
+    for grad in (False, True):
+        b = dict(a, v=a["v"].clone().requires_grad_(grad))
+        with on_kernels():
+            out, bank = sdm_ops.sparse_delta_memory(**b, chunk_size=64, output_final_state=True)
+        assert_close(out, out_r, rtol=1e-5, name=f"out (grad {grad})")
+        assert_close(bank, bank_r, rtol=1e-5, name=f"bank (grad {grad})")
+        if grad:
+            (dv,) = torch.autograd.grad(out.sum(), b["v"])
+            assert dv.isfinite().all() and dv.abs().sum() > 0
+
+
 def test_kernels_match_reference_shared_bank_int32_indices_and_wide_rows():
     a = _inputs(T=20, D=32, S=9, W=5, R=3, shared=True, index_dtype=torch.int32, seed=5)
     out, bank = _run(a, chunk_size=16)

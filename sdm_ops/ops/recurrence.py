@@ -124,7 +124,8 @@ def _phase1(v, beta, write_idx, write_w, read_idx, read_w, decay, S, C, cu_seqle
         _chunk_betas(clean_beta, C, chunks),
         prep.QK.view(-1, C, C),
         pairs.count.reshape(-1),
-        pairs.entries.reshape(-1, pairs.entries.shape[-1]),
+        # [chunks, NP]; NP is 0 where the geometry has no sparse path (``layout.pair_positions``)
+        pairs.entries.reshape(pairs.count.numel(), pairs.entries.shape[-1]),
     )
     finite = [*selected[:5], *selected[6:]]  # _finite.KEPT_FOR_BACKWARD
     X, QX = X.view(A.shape), QX.view(A.shape)
