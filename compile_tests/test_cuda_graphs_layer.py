@@ -206,7 +206,7 @@ def test_inductor_code_of_layer_forward_and_backward_holds_the_sdm_kernels():
         """\
 _bank_copy_kernel _chunk_lone_bwd_kernel _chunk_pairs_bwd_kernel \
 _chunk_pairs_kernel _chunk_prepare_bwd_kernel _chunk_prepare_kernel _chunk_sort_kernel \
-_chunk_touches_kernel _dual_matmul_bwd_kernel _finite_select_kernel _fwd_diag_kernel \
+_dual_matmul_bwd_kernel _finite_select_kernel _first_writes_kernel _fwd_diag_kernel \
 _fwd_panel_kernel _pairs_solve_kernel _product_key_topk_bwd _product_key_topk_fwd \
 _qx_dout_kernel _recurrence_bwd_kernel _recurrence_fwd_kernel""",
     )

@@ -1,10 +1,9 @@
 """The bank copy (``sdm_internal::bank_copy`` and the kernel the forward and backward launch for
 their fresh states): bitwise the source, per stream or from a shared bank, bfloat16 widened to
 float32, special values kept, nothing written outside the destination; the forward's copy of
-the rows no chunk writes and the table it reads (``first_writes``), the backward's table of
-each row's last touching chunk (``last_touches``) and its zero fill of the rows no chunk
-touches, which are no operators of their own. The opcheck of ``sdm_internal::bank_copy``
-lives in test_opcheck.py with the other operators'."""
+the rows no chunk writes and the table it reads (``first_writes``), which are no operators of
+their own. The opcheck of ``sdm_internal::bank_copy`` lives in test_opcheck.py with the other
+operators'."""
 
 import itertools
 
@@ -160,81 +159,3 @@ def test_unwritten_copy_copies_only_the_rows_no_chunk_writes(monkeypatch, shared
     _assert_same_bits(dst, want, "partial copy")
     outside = torch.cat([buf[:pad], buf[-pad:]]).cpu()
     assert (outside == 7.0).all(), "the kernel wrote outside the destination"
-
-
-def _last_by_loops(write_idx, read_idx, S, C):
-    """The ``last`` table of a dense batch by plain loops: 2n + 1 for the last chunk n that
-    writes a slot, 2n where the last chunk to touch it only reads it (``read_idx`` None: writes
-    alone count), UNTOUCHED where none does."""
-    Bn, T, Hn, _ = write_idx.shape
-    last = [[kernel.UNTOUCHED] * S for _ in range(Bn * Hn)]
-    sides = [(write_idx, 1)] + ([] if read_idx is None else [(read_idx, 0)])
-    for idx, wrote in sides:
-        for b, t, h, e in itertools.product(range(Bn), range(T), range(Hn), range(idx.shape[-1])):
-            s = int(idx[b, t, h, e])
-            if 0 <= s < S:
-                last[b * Hn + h][s] = max(last[b * Hn + h][s], 2 * (t // C) + wrote)
-    return torch.tensor(last, dtype=torch.int32)
-
-
-@requires_kernels
-@pytest.mark.parametrize("reads", [True, False], ids=["writes_and_reads", "writes_only"])
-@pytest.mark.parametrize("C", [16, 32])
-def test_last_touches_holds_each_slots_last_touching_chunk(C, reads):
-    """Padding, indices below -1 and past S, duplicate slots, a partial last chunk, slots last
-    written, slots last only read and slots no chunk touches (S = 60; the entries name slots
-    -3 to 44 and 60 to 69)."""
-    g = torch.Generator().manual_seed(17 + C)
-    write_idx = torch.randint(-3, 45, (2, 70, 3, 5), generator=g)
-    read_idx = torch.randint(-3, 45, (2, 70, 3, 4), generator=g)
-    for idx in (write_idx, read_idx):
-        idx[torch.rand(idx.shape, generator=g) < 0.1] = 65
-    want = _last_by_loops(write_idx, read_idx if reads else None, 60, C)
-    assert (want == kernel.UNTOUCHED).any() and (want % 2 == 1).any()
-    assert (want % 2 == 0).any() == reads  # last only read: only when reads count
-    got = torch.zeros(6, 60, dtype=torch.int32, device=KERNEL_DEVICE)
-    with on_kernels():
-        dev = read_idx.to(KERNEL_DEVICE) if reads else None
-        kernel.last_touches(write_idx.to(KERNEL_DEVICE), dev, C, None, None, got)
-    assert torch.equal(got.cpu(), want)
-
-
-@requires_kernels
-def test_last_touches_of_a_packed_batch_numbers_chunk_slots_per_sequence():
-    """As the first-write table: sequences of 0, 21, 5 and 40 tokens (chunk 16), each stream's
-    table in its own sequence's chunk slots; the empty sequence's all UNTOUCHED."""
-    lengths, C, S, Hn = [0, 21, 5, 40], 16, 30, 2
-    g = torch.Generator().manual_seed(19)
-    T = sum(lengths)
-    write_idx = torch.randint(-1, S, (1, T, Hn, 4), generator=g)
-    read_idx = torch.randint(-1, S, (1, T, Hn, 3), generator=g)
-    cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
-    chunks, seq_chunks = ops.varlen_chunks(cu, T, C)
-    want = torch.full((len(lengths) * Hn, S), kernel.UNTOUCHED, dtype=torch.int32)
-    for n, (t0, length, c0, _) in enumerate(ref.varlen_sequences(chunks, seq_chunks)):
-        part = slice(t0, t0 + length)
-        seq = _last_by_loops(write_idx[:, part], read_idx[:, part], S, C)
-        want[n * Hn : (n + 1) * Hn] = torch.where(seq == kernel.UNTOUCHED, seq, seq + 2 * c0)
-    got = torch.zeros(len(lengths) * Hn, S, dtype=torch.int32, device=KERNEL_DEVICE)
-    with on_kernels():
-        dev = [t.to(KERNEL_DEVICE) for t in (write_idx, read_idx, chunks, seq_chunks)]
-        kernel.last_touches(dev[0], dev[1], C, dev[2], dev[3], got)
-    assert (want[:Hn] == kernel.UNTOUCHED).all()
-    assert torch.equal(got.cpu(), want)
-
-
-@requires_kernels
-def test_zero_untouched_zeroes_only_the_rows_no_chunk_touches(monkeypatch):
-    monkeypatch.setattr(kernel, "BLOCK", 64)
-    g = torch.Generator().manual_seed(8)
-    last = torch.randint(0, 9, (B * H, S), generator=g, dtype=torch.int32)
-    last[torch.rand(B * H, S, generator=g) < 0.5] = kernel.UNTOUCHED
-    pad = 100
-    buf = torch.full((2 * pad + B * H * S * D,), float("nan"), device=KERNEL_DEVICE)
-    dst = buf[pad : pad + B * H * S * D].view(B, H, S, D)
-    with on_kernels():
-        kernel.bank_zero_untouched(dst, last.to(KERNEL_DEVICE))
-    zeroed = (last == kernel.UNTOUCHED).view(B, H, S, 1).expand(B, H, S, D)
-    assert (dst.cpu()[zeroed] == 0).all() and not torch.signbit(dst.cpu()[zeroed]).any()
-    assert dst.cpu()[~zeroed].isnan().all(), "a row some chunk touches was written"
-    assert torch.cat([buf[:pad], buf[-pad:]]).isnan().all(), "written outside the destination"

@@ -169,8 +169,6 @@ def _launches():
                         **a, chunk_size=c, snapshot=mode, output_final_state=True
                     )
                     (out.sum() + bank.sum()).backward()
-                # The default call (no final state): the backward from a zero bank gradient.
-                sdm_ops.sparse_delta_memory(**a, chunk_size=16)[0].sum().backward()
                 # A loss on the bank alone: the backward without an output gradient.
                 sdm_ops.sparse_delta_memory(**a, chunk_size=16, output_final_state=True)[
                     1
@@ -294,7 +292,7 @@ _LAYOUT = ("gather_w", "gather_r", "scatter_w", "row_decay", "rank", "read_rank"
 # What each kernel writes (its outputs and scratch); every other tensor argument is read only.
 _OUTPUTS = {
     "_bank_copy_kernel": {"dst"},
-    "_chunk_touches_kernel": {"table"},
+    "_first_writes_kernel": {"first"},
     "_finite_select_kernel": {
         "beta_out",
         "beta_walk",

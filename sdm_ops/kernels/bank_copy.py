@@ -1,5 +1,4 @@
-"""The per-stream copy of a bank, as a kernel; the tables of each slot's first writing and last
-touching chunk.
+"""The per-stream copy of a bank, as a kernel; the table of each slot's first writing chunk.
 
     dst[b] = src[b]      (src [B, H, S, D])      or      dst[b] = src      (shared src [H, S, D])
 
@@ -23,17 +22,6 @@ the first chunk of stream p with a valid write entry on slot s, INT32_MAX where 
 the result does not depend on their order (deterministic). Chunk numbers are those of phase 2
 (0, 1, ... in a dense batch; a packed batch's chunk slots, increasing along a sequence).
 
-The backward walk (``recurrence_bwd``) starts from a zero bank gradient when no gradient of the
-final bank comes in. ``last`` [P, S] int32 (``last_touches``) holds, for each slot, 2n + 1 where
-chunk n is the last chunk of stream p to write it, 2n where the last chunk to touch it only reads
-it (reads count only where the walk adds read terms: with an output gradient), -1 where no chunk
-touches it; an atomic max over the entries, again deterministic. Walking back, a chunk is the
-first to meet such a row, whose gradient is still zero there: the walk takes it as zero without
-reading it, and its first store of the row writes the whole row (a write entry's plain store, or
-the first read entry's store in place of an atomic add). So only the rows no chunk touches are
-zero-filled (``bank_zero_untouched``): 37% of the bank at the reference workload, against the
-whole bank for ``Tensor.zero_``, and the walk reads no zeros back.
-
 Layout: src and dst contiguous; a bank is H * S rows of D elements (offsets 64-bit). Grid
 (P, B): program (i, b) copies the blocks i, i + P, i + 2P, ... of BLOCK elements (BLOCK / D
 rows) of bank b. P = cdiv(H * S * D, BLOCK) by default (one block a program); a smaller P
@@ -55,7 +43,7 @@ from ._tiles import bank_slots, dense_chunk, entry_offsets, token_rows
 BLOCK = 4096
 BOUNDED_BLOCK = 32768  # elements a step of a bounded copy's program (64-128 KB in flight an SM)
 UNWRITTEN = 2**31 - 1  # ``first`` of a slot that no chunk of its stream writes
-UNTOUCHED = -1  # ``last`` of a slot that no chunk of its stream touches
+_UNWRITTEN = tl.constexpr(UNWRITTEN)  # the same, for the kernels
 _NUM_WARPS = 8
 _FIRST_SPLIT = 16  # programs a stream of ``first_writes``, each every 16th chunk
 
@@ -69,51 +57,36 @@ def _bank_copy_kernel(
     SRC_BANK_STRIDE,
     D: tl.constexpr,
     BR: tl.constexpr,
-    ONLY: tl.constexpr,
-    NONE: tl.constexpr,
-    ZERO: tl.constexpr,
+    UNWRITTEN_ONLY: tl.constexpr,
 ):
-    """dst's rows <- src's, or zeros (ZERO); with ONLY (launched one block a program) only the
-    rows whose entry of the table ``first`` is NONE."""
     b = tl.program_id(1).to(tl.int64)
     step = tl.num_programs(0).to(tl.int64) * BR
     cols = tl.arange(0, D)
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     for k in range(0, tl.cdiv(tl.cdiv(ROWS, BR) - tl.program_id(0), tl.num_programs(0))):
         keep = r < ROWS
-        if ONLY:
-            keep = keep & (tl.load(first + b * ROWS + r, mask=keep, other=0) == NONE)
+        if UNWRITTEN_ONLY:  # launched one block a program (``bank_copy_unwritten``)
+            keep = keep & (tl.load(first + b * ROWS + r, mask=keep, other=0) == _UNWRITTEN)
         offs = r[:, None] * D + cols[None, :]
-        if ZERO:
-            x = tl.zeros((BR, D), tl.float32)
-        else:
-            x = tl.load(src + b * SRC_BANK_STRIDE + offs, mask=keep[:, None])
+        x = tl.load(src + b * SRC_BANK_STRIDE + offs, mask=keep[:, None])
         tl.store(dst + b * ROWS * D + offs, x.to(dst.dtype.element_ty), mask=keep[:, None])
         r += step
 
 
 @triton.jit
-def _chunk_touches_kernel(
+def _first_writes_kernel(
     write_idx,
-    read_idx,
     chunks,
     seq_chunks,
-    table,
+    first,
     T,
     H,
     S,
     W: tl.constexpr,
-    R: tl.constexpr,
     WP: tl.constexpr,
-    RP: tl.constexpr,
     C: tl.constexpr,
-    LAST: tl.constexpr,
-    READS: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """``first`` (an atomic min of each chunk's number over its write entries) or, with LAST,
-    ``last`` (an atomic max of 2n + 1 over chunk n's write entries and, with READS, of 2n over
-    its read entries). Program (p, j) walks the chunks j, j + 16, ... of stream p."""
     p = tl.program_id(0)
     h = p % H
     if VARLEN:
@@ -122,7 +95,7 @@ def _chunk_touches_kernel(
     else:
         lo = 0
         hi = tl.cdiv(T, C)
-    table_p = table + p.to(tl.int64) * S
+    first_p = first + p.to(tl.int64) * S
     ci = tl.arange(0, C)
     for n in range(lo + tl.program_id(1), hi, tl.num_programs(1)):
         if VARLEN:
@@ -133,20 +106,10 @@ def _chunk_touches_kernel(
         tok, tok_ok = token_rows(tok0, h, H, count, ci)
         went, wm = entry_offsets(tok, tok_ok, W, WP)
         s, ok = bank_slots(tl.load(write_idx + went, mask=wm, other=-1), wm, S)
-        zeros = tl.zeros_like(s).to(tl.int32)
-        if LAST:
-            tl.atomic_max(table_p + s, zeros + 2 * n + 1, mask=ok, sem="relaxed")
-            if READS:
-                rent, rm = entry_offsets(tok, tok_ok, R, RP)
-                q, qok = bank_slots(tl.load(read_idx + rent, mask=rm, other=-1), rm, S)
-                tl.atomic_max(
-                    table_p + q, tl.zeros_like(q).to(tl.int32) + 2 * n, mask=qok, sem="relaxed"
-                )
-        else:
-            tl.atomic_min(table_p + s, zeros + n, mask=ok, sem="relaxed")
+        tl.atomic_min(first_p + s, tl.zeros_like(s).to(tl.int32) + n, mask=ok, sem="relaxed")
 
 
-def _launch_copy(src, dst: torch.Tensor, first, programs: int, none: int = UNWRITTEN) -> None:
+def _launch_copy(src: torch.Tensor, dst: torch.Tensor, first, programs: int) -> None:
     banks, H, S, D = dst.shape
     rows = H * S
     if banks * rows == 0:
@@ -154,18 +117,16 @@ def _launch_copy(src, dst: torch.Tensor, first, programs: int, none: int = UNWRI
     br = max(1, (BOUNDED_BLOCK if programs > 0 else BLOCK) // D)
     blocks = triton.cdiv(rows, br)
     grid = (min(blocks, programs) if programs > 0 else blocks, banks)
-    shared = src is None or src.dim() == 3 or src.shape[0] == 1
+    shared = src.dim() == 3 or src.shape[0] == 1
     wrap_triton(_bank_copy_kernel)[grid](
-        dst if src is None else src,
+        src,
         dst,
         dst if first is None else first,
         rows,
         0 if shared else rows * D,
         D=D,
         BR=br,
-        ONLY=first is not None,
-        NONE=none,
-        ZERO=src is None,
+        UNWRITTEN_ONLY=first is not None,
         num_warps=_NUM_WARPS,
     )
 
@@ -182,59 +143,27 @@ def bank_copy_unwritten(src: torch.Tensor, dst: torch.Tensor, first: torch.Tenso
     _launch_copy(src, dst, first, 0)
 
 
-def bank_zero_untouched(dst: torch.Tensor, last: torch.Tensor) -> None:
-    """Zero the rows of dst [B, H, S, D] whose ``last`` [B * H, S] (``last_touches``) is
-    UNTOUCHED; the other rows are left as they are."""
-    _launch_copy(None, dst, last, 0, UNTOUCHED)
-
-
-def _launch_touches(write_idx, read_idx, chunk_size, chunks, seq_chunks, table, last) -> None:
-    """``_chunk_touches_kernel`` over the table [P, S] (filled beforehand)."""
-    B, T, H, W = write_idx.shape
-    R = 1 if read_idx is None else read_idx.shape[-1]
-    varlen = chunks is not None
-    wrap_triton(_chunk_touches_kernel)[(table.shape[0], _FIRST_SPLIT)](
-        write_idx,
-        write_idx if read_idx is None else read_idx,
-        chunks if varlen else write_idx,
-        seq_chunks if varlen else write_idx,
-        table,
-        T,
-        H,
-        table.shape[1],
-        W=W,
-        R=R,
-        WP=triton.next_power_of_2(max(W, 1)),
-        RP=triton.next_power_of_2(max(R, 1)),
-        C=chunk_size,
-        LAST=last,
-        READS=read_idx is not None,
-        VARLEN=varlen,
-        num_warps=4,
-    )
-
-
 def first_writes(
     write_idx: torch.Tensor, chunk_size: int, chunks, seq_chunks, first: torch.Tensor
 ) -> None:
     """Fill ``first`` [P, S] int32 (see the module docstring) from write_idx [B, T, H, W]."""
+    B, T, H, W = write_idx.shape
+    P, S = first.shape
     first.fill_(UNWRITTEN)
-    if first.shape[0] * write_idx.shape[1] * write_idx.shape[3] == 0:
+    if P * T * W == 0:
         return
-    _launch_touches(write_idx, None, chunk_size, chunks, seq_chunks, first, last=False)
-
-
-def last_touches(
-    write_idx: torch.Tensor,
-    read_idx: torch.Tensor | None,
-    chunk_size: int,
-    chunks,
-    seq_chunks,
-    last: torch.Tensor,
-) -> None:
-    """Fill ``last`` [P, S] int32 (see the module docstring) from write_idx [B, T, H, W] and,
-    unless None, read_idx [B, T, H, R]."""
-    last.fill_(UNTOUCHED)
-    if last.shape[0] * write_idx.shape[1] == 0:
-        return
-    _launch_touches(write_idx, read_idx, chunk_size, chunks, seq_chunks, last, last=True)
+    varlen = chunks is not None
+    wrap_triton(_first_writes_kernel)[(P, _FIRST_SPLIT)](
+        write_idx,
+        chunks if varlen else write_idx,
+        seq_chunks if varlen else write_idx,
+        first,
+        T,
+        H,
+        S,
+        W=W,
+        WP=triton.next_power_of_2(W),
+        C=chunk_size,
+        VARLEN=varlen,
+        num_warps=4,
+    )

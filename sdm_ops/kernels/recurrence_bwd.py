@@ -24,14 +24,6 @@ loads the write indices and the write entries' snapshot rows of the chunk after 
 while its own work is in flight, and every read-only operand of a chunk before the chunk's
 first store, which a later load would wait for).
 
-Without a gradient of the final bank, dM starts at zero. The one-tile walk then takes the table
-of each row's last touching chunk (``bank_copy.last_touches``): a chunk that is the last to write
-a row masks its loads of the row (zero) and its rank-0 write entry stores the whole row; a chunk
-that is the last to touch a row and only reads it stores its first read entry's term where the
-others add. Only the rows no chunk touches are zero-filled before the walk, so the bank
-gradient's zeros are neither written nor read back for the others (the tiled walk starts from a
-zeroed dbank). The values are those of a walk from a zeroed dbank, bit for bit.
-
 The walk's du has a part that does not depend on dM: QX^T dout. ``_qx_dout_kernel`` forms it
 before the walk, one program per chunk and stream over all D columns, into du, and the walk adds
 X^T ddelta onto it: one [C, C] dot a chunk in the walk's dependent chain instead of two. Its
@@ -69,16 +61,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from . import bank_copy
 from ._common import chunk_grid
 from ._snapshot import BLOCK_D, SNAP_CODES, load_snapshot
 from ._tiles import bank_slots, dense_chunk, entry_offsets, snapshot_entries, token_rows
 from .recurrence_fwd import recurrence_fwd_geometry
 
 _ROWS = 32
-# From a zero final gradient, zero-fill only the bank gradient's rows no chunk touches (see the
-# module docstring); False zeroes the whole bank first, as the tests' twin.
-ZERO_UNTOUCHED_ONLY = True
 _NUM_WARPS = 8
 _DUAL_WARPS = 4
 _DUAL_BLOCK_D = 32
@@ -103,7 +91,6 @@ def _recurrence_bwd_kernel(
     chunks,
     seq_chunks,
     dbank,
-    last,
     ddelta,
     du,
     dv,
@@ -128,7 +115,6 @@ def _recurrence_bwd_kernel(
     MODE: tl.constexpr,
     HAS_DOUT: tl.constexpr,
     VARLEN: tl.constexpr,
-    FRESH: tl.constexpr,
 ):
     p = tl.program_id(0) // (D // BD)
     c0 = tl.program_id(0) % (D // BD) * BD
@@ -145,7 +131,6 @@ def _recurrence_bwd_kernel(
     p_rd += pid_c.to(tl.int64) * NTOK * W
     p_gr += pid_c.to(tl.int64) * NTOK * R
     dbank_p = dbank + p.to(tl.int64) * S * D
-    last_p = last + p.to(tl.int64) * S
     if VARLEN:  # the sequence's chunk slots, and X tiles [1, H, NC, C, C]
         lo = tl.load(seq_chunks + p // H).to(tl.int32)
         hi = tl.load(seq_chunks + p // H + 1).to(tl.int32)
@@ -169,9 +154,7 @@ def _recurrence_bwd_kernel(
         next_w = tl.load(write_idx + lwent, mask=lwm, other=-1).to(tl.int64)
         # ... and its snapshot rows (the snapshot is read-only here, so the rows of the chunk
         # before can be in flight during a chunk's dependent chain).
-        ls, lok = bank_slots(next_w, lwm, S)
-        if FRESH:  # whether the last chunk is the last to touch each write entry's row
-            next_fresh = tl.load(last_p + ls, mask=lok, other=-1) == 2 * hi - 1
+        _, lok = bank_slots(next_w, lwm, S)
         next_m0 = load_snapshot(
             snap, snap_scale, snapshot_entries(ltok, 0, W + R, WP), lok, c0, rcols, D, BD, MODE
         )
@@ -189,10 +172,7 @@ def _recurrence_bwd_kernel(
             went, wm = entry_offsets(tok, tok_ok, W, WP)
             s, ok = bank_slots(next_w, wm, S)
             dptr = dbank_p + s[:, :, None] * D + cols[None, None, :]
-            if FRESH:  # a row no later chunk touches: its gradient is zero, not read
-                dm1 = tl.load(dptr, mask=(ok & ~next_fresh)[:, :, None], other=0.0)
-            else:
-                dm1 = tl.load(dptr, mask=ok[:, :, None], other=0.0)
+            dm1 = tl.load(dptr, mask=ok[:, :, None], other=0.0)
             if VARLEN:
                 ntok0 = tl.load(chunks + 2 * n - 2, mask=n > lo, other=0)
                 ncount = tl.load(chunks + 2 * n - 1, mask=n > lo, other=0).to(tl.int32)
@@ -203,9 +183,7 @@ def _recurrence_bwd_kernel(
             nwent, nwm = entry_offsets(ntok, ntok_ok, W, WP)
             next_w = tl.load(write_idx + nwent, mask=nwm, other=-1).to(tl.int64)
             m0 = next_m0
-            ns, nok = bank_slots(next_w, nwm, S)
-            if FRESH:
-                next_fresh = tl.load(last_p + ns, mask=nok, other=-1) == 2 * n - 1
+            _, nok = bank_slots(next_w, nwm, S)
             next_m0 = load_snapshot(
                 snap, snap_scale, snapshot_entries(ntok, 0, W + R, WP), nok, c0, rcols, D, BD, MODE
             )
@@ -240,8 +218,6 @@ def _recurrence_bwd_kernel(
                 )
                 rrk = tl.load(read_rank + rent, mask=qok, other=-1)
                 rg = tl.load(gather_r + rent, mask=qok, other=0.0)
-                if FRESH:  # the first read entry of a row this chunk is the last to touch
-                    rnew = (tl.load(last_p + q, mask=qok, other=-1) == 2 * n) & (rrk == 0)
             dd = tl.sum(sw[:, :, None] * dm1, 1)
             tl.store(p_sw + went, tl.sum(dm1 * dl[:, None, :], 2), mask=wm)
             tl.store(p_rd + went, tl.where(first, tl.sum(dm1 * m0, 2), 0.0), mask=wm)
@@ -272,13 +248,7 @@ def _recurrence_bwd_kernel(
                 rptr = dbank_p + q[:, :, None] * D + cols[None, None, :]
                 for k in range(0, rpass):
                     tl.debug_barrier()
-                    mine = qok & (rrk == k)
-                    if FRESH:
-                        # The row's gradient is zero and the row was not zero-filled: a store
-                        # of 0 + rterm (+0.0 where rterm is -0.0, as an add onto zero gives).
-                        tl.store(rptr, rterm + 0.0, mask=(mine & rnew)[:, :, None])
-                        mine = mine & ~rnew
-                    tl.atomic_add(rptr, rterm, mask=mine[:, :, None], sem="relaxed")
+                    tl.atomic_add(rptr, rterm, mask=(qok & (rrk == k))[:, :, None], sem="relaxed")
             tl.debug_barrier()
         else:
             npass = 1
@@ -601,13 +571,10 @@ def recurrence_bwd(
     solve_beta,
     chunks=None,
     seq_chunks=None,
-    final_zero=False,
 ):
     """Launch the phase-2 backward. ``dbank`` (the gradient of the final bank, turned into that
-    of the initial bank) is a work buffer; with ``final_zero`` the final bank's gradient is zero
-    and dbank's content on entry is ignored (every row is written: see the module docstring).
-    dv, dA, dQK and dbeta are written whole (A: phase 1's, solve_beta: the beta the WY solve ran
-    on). ``dout`` may be None (no gradient of ``out``).
+    of the initial bank) is a work buffer; dv, dA, dQK and dbeta are written whole (A: phase 1's,
+    solve_beta: the beta the WY solve ran on). ``dout`` may be None (no gradient of ``out``).
     Returns the per-entry gradients (d_gather_w, d_gather_r, d_scatter_w, d_row_decay), which the
     dual-matmul kernel sums from the walk's partials."""
     B, T, H, D = res.shape
@@ -632,19 +599,6 @@ def recurrence_bwd(
     dgw, dsw, drd = (torch.empty(B, T, H, W, **f32) for _ in range(3))
     dgr = torch.empty(B, T, H, R, **f32)
     varlen = chunks is not None
-    # From a zero final gradient the one-tile walk zero-fills only the rows no chunk touches
-    # and takes the others as zero until it first stores them; the tiled walk starts from a
-    # zeroed bank.
-    fresh = final_zero and tb == C and ZERO_UNTOUCHED_ONLY
-    last = dbank
-    if fresh:
-        last = torch.empty(streams, S, dtype=torch.int32, device=res.device)
-        bank_copy.last_touches(
-            write_idx, read_idx if has_dout else None, C, chunks, seq_chunks, last
-        )
-        bank_copy.bank_zero_untouched(dbank, last)
-    elif final_zero:
-        dbank.zero_()
     if has_dout and N * P:
         wrap_triton(_qx_dout_kernel)[(N, P)](
             QX,
@@ -678,7 +632,6 @@ def recurrence_bwd(
             chunks if varlen else rank,
             seq_chunks if varlen else rank,
             dbank,
-            last,
             ddelta,
             du,
             dv,
@@ -703,7 +656,6 @@ def recurrence_bwd(
             MODE=SNAP_CODES[snapshot],
             HAS_DOUT=has_dout,
             VARLEN=varlen,
-            FRESH=fresh,
             num_warps=_NUM_WARPS,
         )
     if N * P:  # also when T = 0 in a packed batch: its unused chunk slots get zero tiles

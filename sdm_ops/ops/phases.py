@@ -469,7 +469,9 @@ def _recurrence_bwd_kernels(a) -> tuple[Tensor, ...]:
 
     dv, dbeta, _, _, _, _, dA, dQK, dbank = meta.recurrence_bwd_fake(a)
     with on_device(a.res):
-        if a.dbank_out is not None:
+        if a.dbank_out is None:
+            dbank.zero_()
+        else:
             kc.bank_copy(a.dbank_out, dbank)
         dgw, dgr, dsw, drd = k.recurrence_bwd(
             *a[:11],  # beta .. QX
@@ -488,7 +490,6 @@ def _recurrence_bwd_kernels(a) -> tuple[Tensor, ...]:
             solve_beta=a.solve_beta,
             chunks=a.chunks,
             seq_chunks=a.seq_chunks,
-            final_zero=a.dbank_out is None,
         )
     return dv, dbeta, dgw, dgr, dsw, drd, dA, dQK, dbank
 
