@@ -537,33 +537,14 @@ def wy_solve_fwd(
             MC=mc,
             num_warps=_PAIRS_SOLVE_WARPS,
         )
+    sizes = dict(C=c, MC=mc, SKIP=SKIP_ZERO_TILES, SOLVED=solved)
     warps, stages = _DIAG_CONFIG
     wrap_triton(_fwd_diag_kernel)[grid](
-        A,
-        beta,
-        X,
-        count,
-        C=c,
-        MC=mc,
-        SKIP=SKIP_ZERO_TILES,
-        SOLVED=solved,
-        num_warps=warps,
-        num_stages=stages,
+        A, beta, X, count, **sizes, num_warps=warps, num_stages=stages
     )
     warps, stages = _PANEL_CONFIG
     wrap_triton(_fwd_panel_kernel)[grid](
-        A,
-        beta,
-        QK,
-        X,
-        QX,
-        count,
-        C=c,
-        MC=mc,
-        SKIP=SKIP_ZERO_TILES,
-        SOLVED=solved,
-        num_warps=warps,
-        num_stages=stages,
+        A, beta, QK, X, QX, count, **sizes, num_warps=warps, num_stages=stages
     )
 
 
